@@ -1,0 +1,73 @@
+"""The command line: `python -m jaxllm generate|chat|bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model path, Hub id or random:<shape>")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {"tensor_parallel_size": args.tp, "dtype": args.dtype}
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    return kwargs
+
+
+def _sampling(args: argparse.Namespace):
+    from jaxllm import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxllm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    for name, help_text in (("generate", "complete prompts"), ("chat", "chat with the model")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("prompts", nargs="*", help="prompts (chat: one user message each)")
+        _add_engine_args(sub)
+        sub.add_argument("--temperature", type=float, default=0.6)
+        sub.add_argument("--top-p", type=float, default=0.95)
+        sub.add_argument("--max-tokens", type=int, default=64)
+        sub.add_argument("--seed", type=int, default=None)
+
+    commands.add_parser("bench", help="the throughput benchmark (see scripts/bench.py)", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from jaxllm.bench import main as bench_main
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    from jaxllm.llm import LLM, default_model
+
+    llm = LLM(args.model or default_model(), **_engine_kwargs(args))
+    prompts = args.prompts or ["The capital of France is"]
+    if args.command == "generate":
+        outputs = llm.generate(prompts, _sampling(args))
+    else:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        outputs = llm.chat(conversations, _sampling(args))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"\n=== {prompt!r}\n{output.text}")
+        print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
