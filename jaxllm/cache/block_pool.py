@@ -1,0 +1,346 @@
+"""The block pool: a fixed set of KV blocks with ref counts, a prefix cache and eviction.
+
+Every block is in exactly one state:
+
+- *used*: referenced by at least one live block table (ref count > 0), cached or not;
+- *cached free*: unreferenced but still holding a prefix-cache entry (a hash); evictable, and
+  handed to the eviction policy;
+- *empty*: unreferenced and holding no entry.
+
+Freed blocks keep their contents and hash, so a later request with the same prefix reuses them
+until they are evicted; evicting a block drops its hash. New blocks come from the empty blocks
+first and from eviction only when none is left.
+
+A cached block records its token ids, a unique key, and its parent's key. A prefix hit walks the
+hash map block by block and accepts a block only if its tokens equal the request's and its parent
+is the block accepted just before, so by induction every accepted block holds the KV of exactly
+the request's prefix, hash collisions notwithstanding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxllm.cache.eviction import EvictionPolicy, make_policy
+from jaxllm.cache.hashing import pack_token_ids
+
+ROOT_KEY = 0  # the parent key of a sequence's first block; block keys start at 1
+
+
+class IntegrityError(AssertionError):
+    """An invariant of the pool (or of the scheduler on top of it) is broken."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Prefix-cache counters since the pool was built, and the pool's state now.
+
+    Attributes:
+        num_queried_tokens: tokens looked up in the prefix cache when requests were admitted
+            (a request resumed after preemption is looked up again).
+        num_hit_tokens: of those, tokens whose KV came from the cache.
+        num_evictions: cached blocks whose entry was dropped to make room.
+        num_used_blocks: blocks referenced by live sequences.
+        num_cached_free_blocks: unreferenced blocks still holding a prefix-cache entry.
+        num_empty_blocks: unreferenced blocks holding nothing.
+    """
+
+    num_queried_tokens: int
+    num_hit_tokens: int
+    num_evictions: int
+    num_used_blocks: int
+    num_cached_free_blocks: int
+    num_empty_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class BlockPool:
+    """Owns `num_blocks` KV blocks: ref counts, the empty list, the hash map, the policy.
+
+    Block tables are plain lists of block ids owned by the caller (the scheduler); the pool's
+    methods that take one say whether they mutate it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str | EvictionPolicy = "lru",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.policy = make_policy(eviction_policy)
+        if len(self.policy):
+            raise ValueError("the eviction policy instance is already in use by another pool")
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[int | None] = [None] * num_blocks
+        self._keys = [0] * num_blocks
+        self._parent_keys = [0] * num_blocks
+        self._tokens: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        self._empty = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._next_key = ROOT_KEY + 1
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
+        self._num_evictions = 0
+
+    # Queries.
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a request can get now: empty ones plus evictable cached ones."""
+        return len(self._empty) + len(self.policy)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The block's prefix-cache hash, or None when it holds no entry."""
+        return self._hashes[block_id]
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block holding the entry for `block_hash`, if any (no token check)."""
+        return self._hash_to_block.get(block_hash)
+
+    def find_cached_prefix(
+        self, token_ids: np.ndarray | Sequence[int], block_hashes: Sequence[int], max_blocks: int
+    ) -> list[int]:
+        """The longest run of cached blocks holding the KV of the first blocks of `token_ids`.
+
+        Mutates nothing (not even the statistics: see `record_query`).
+
+        Args:
+            token_ids: [N] the request's tokens.
+            block_hashes: the chained hashes of the full blocks of `token_ids` (at least
+                `max_blocks` of them).
+            max_blocks: look at most this many blocks deep.
+
+        Returns:
+            The block ids of the hit, in order (possibly empty).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        size = self.block_size
+        hit: list[int] = []
+        parent_key = ROOT_KEY
+        for index in range(min(max_blocks, len(block_hashes))):
+            block_id = self._hash_to_block.get(block_hashes[index])
+            if block_id is None or self._parent_keys[block_id] != parent_key:
+                break
+            start = index * size
+            if self._tokens[block_id] != pack_token_ids(token_ids[start : start + size]):
+                break
+            hit.append(block_id)
+            parent_key = self._keys[block_id]
+        return hit
+
+    def num_blocks_to_take(self, cached_block_ids: Sequence[int], num_new_blocks: int) -> int:
+        """Free blocks that `allocate(cached_block_ids, num_new_blocks)` would consume."""
+        refs = self._ref_counts
+        return num_new_blocks + sum(1 for block_id in cached_block_ids if refs[block_id] == 0)
+
+    # Mutations.
+
+    def allocate(self, cached_block_ids: Sequence[int], num_new_blocks: int) -> list[int] | None:
+        """References the hit blocks and `num_new_blocks` fresh ones; None if they do not fit.
+
+        Mutates ref counts, the empty list, the policy (hits, and evictions when the empty list
+        runs out) and the hash map (evicted entries); nothing when it returns None.
+
+        Returns:
+            A new block table: `cached_block_ids` followed by the fresh blocks.
+        """
+        if self.num_blocks_to_take(cached_block_ids, num_new_blocks) > self.num_free_blocks:
+            return None
+        for block_id in cached_block_ids:
+            self._ref_counts[block_id] += 1
+            self.policy.on_hit(block_id)
+        return [*cached_block_ids, *self._take_fresh(num_new_blocks)]
+
+    def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grows `block_table` (in place) to hold `num_tokens` tokens; False if it cannot.
+
+        Returns False, mutating nothing, when not enough blocks are free.
+        """
+        num_new_blocks = -(-num_tokens // self.block_size) - len(block_table)
+        if num_new_blocks <= 0:
+            return True
+        if num_new_blocks > self.num_free_blocks:
+            return False
+        block_table.extend(self._take_fresh(num_new_blocks))
+        return True
+
+    def free(self, block_table: Iterable[int]) -> None:
+        """Drops one reference to each block of `block_table`.
+
+        Blocks are released last to first, so that under LRU the tail of a prefix is evicted
+        before its head. Unreferenced cached blocks go to the policy, the rest to the empty list.
+        """
+        refs = self._ref_counts
+        for block_id in reversed(list(block_table)):
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                if self._hashes[block_id] is None:
+                    self._empty.append(block_id)
+                else:
+                    self.policy.on_free(block_id)
+
+    def cache_blocks(
+        self,
+        block_table: list[int],
+        token_ids: np.ndarray | Sequence[int],
+        block_hashes: Sequence[int],
+        first: int,
+        last: int,
+    ) -> None:
+        """Enters the full, computed blocks `first` .. `last - 1` of a table into the cache.
+
+        When an identical block is already cached (two requests with one prefix computed in the
+        same step), the table switches to it and its own copy returns to the empty list: block
+        `block_table[i]` may be replaced (mutated in place). When a different block already owns
+        the hash (a collision), this block and the ones after it stay out of the cache.
+
+        Args:
+            block_table: the sequence's blocks; blocks `first` .. `last - 1` must be referenced
+                by this table only and hold the KV of `token_ids`.
+            token_ids: [N] the sequence's tokens, N >= last * block_size.
+            block_hashes: chained hashes of at least `last` blocks of `token_ids`.
+            first, last: the range of block indices to enter.
+        """
+        if not self.enable_prefix_caching or first >= last:
+            return
+        if first == 0:
+            parent_key = ROOT_KEY
+        elif self._hashes[block_table[first - 1]] is not None:
+            parent_key = self._keys[block_table[first - 1]]
+        else:
+            return  # the parent is not cached, so no lookup could ever reach these blocks
+        size = self.block_size
+        for index in range(first, last):
+            block_id = block_table[index]
+            block_hash = block_hashes[index]
+            tokens = pack_token_ids(token_ids[index * size : (index + 1) * size])
+            owner = self._hash_to_block.get(block_hash)
+            if owner is None:
+                self._hashes[block_id] = block_hash
+                self._keys[block_id] = self._next_key
+                self._next_key += 1
+                self._parent_keys[block_id] = parent_key
+                self._tokens[block_id] = tokens
+                self._hash_to_block[block_hash] = block_id
+                self.policy.on_cache(block_id)
+            elif owner == block_id:
+                pass
+            elif self._tokens[owner] == tokens and self._parent_keys[owner] == parent_key:
+                self._ref_counts[owner] += 1
+                self.policy.on_hit(owner)
+                block_table[index] = owner
+                self.free((block_id,))
+                block_id = owner
+            else:
+                return
+            parent_key = self._keys[block_id]
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admission: `num_tokens` looked up, `num_hit_tokens` served from the cache."""
+        self._num_queried_tokens += num_tokens
+        self._num_hit_tokens += num_hit_tokens
+
+    def stats(self) -> CacheStats:
+        num_cached_free = len(self.policy)
+        num_empty = len(self._empty)
+        return CacheStats(
+            num_queried_tokens=self._num_queried_tokens,
+            num_hit_tokens=self._num_hit_tokens,
+            num_evictions=self._num_evictions,
+            num_used_blocks=self.num_blocks - num_cached_free - num_empty,
+            num_cached_free_blocks=num_cached_free,
+            num_empty_blocks=num_empty,
+        )
+
+    def _take_fresh(self, count: int) -> list[int]:
+        """`count` unreferenced blocks with no entry: empty ones first, then evicted ones."""
+        taken = []
+        for _ in range(count):
+            if self._empty:
+                block_id = self._empty.pop()
+            else:
+                block_id = self.policy.victim()
+                self.policy.on_evict(block_id)
+                del self._hash_to_block[self._hashes[block_id]]
+                self._hashes[block_id] = None
+                self._tokens[block_id] = None
+                self._num_evictions += 1
+            self._ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    # Invariants.
+
+    def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """Raises `IntegrityError` unless every invariant of the pool holds.
+
+        Args:
+            block_tables: the block tables of every live sequence.
+
+        Checks: ref counts equal the uses in `block_tables`; every block is exactly one of used,
+        cached free (in the policy) or empty; empty blocks hold no entry; the hash map and the
+        blocks' hashes agree both ways; block keys are unique.
+        """
+        uses = Counter(block_id for table in block_tables for block_id in table)
+
+        def require(condition: bool, message: str) -> None:
+            if not condition:
+                raise IntegrityError(message)
+
+        require(
+            all(0 <= block_id < self.num_blocks for block_id in uses),
+            f"block id out of range in {sorted(uses)}",
+        )
+        empty = set(self._empty)
+        require(len(empty) == len(self._empty), "a block is twice in the empty list")
+        for block_id in range(self.num_blocks):
+            refs = self._ref_counts[block_id]
+            cached = self._hashes[block_id] is not None
+            require(
+                refs == uses[block_id],
+                f"block {block_id}: ref count {refs} but {uses[block_id]} uses in live tables",
+            )
+            free_states = (block_id in empty) + (block_id in self.policy)
+            require(
+                free_states == (refs == 0),
+                f"block {block_id}: ref count {refs}, empty={block_id in empty}, "
+                f"evictable={block_id in self.policy}",
+            )
+            require(not (cached and block_id in empty), f"empty block {block_id} has a hash")
+            require(cached or block_id not in self.policy, f"evictable block {block_id} no hash")
+        require(
+            len(empty) + len(self.policy) + sum(1 for r in self._ref_counts if r > 0)
+            == self.num_blocks,
+            "free + used != total",
+        )
+        hashed = [b for b in range(self.num_blocks) if self._hashes[b] is not None]
+        require(len(hashed) == len(self._hash_to_block), "hashed blocks missing from the map")
+        for block_hash, block_id in self._hash_to_block.items():
+            require(
+                self._hashes[block_id] == block_hash,
+                f"hash map entry {block_hash:#x} -> block {block_id} with hash "
+                f"{self._hashes[block_id]}",
+            )
+        keys = [self._keys[b] for b in hashed]
+        require(len(set(keys)) == len(keys), "two cached blocks share a key")
+        require(self.enable_prefix_caching or not hashed, "hashes with prefix caching off")

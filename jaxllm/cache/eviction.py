@@ -1,0 +1,208 @@
+"""Eviction policies: which cached free block the pool gives up when it needs a block.
+
+The pool keeps every block that holds a prefix-cache entry and no reference ("cached free") in
+its policy, and tells the policy four things, by block id only:
+
+- `on_cache(b)`: block b got a hash (it is in use, so not evictable yet);
+- `on_free(b)`: cached block b lost its last reference and is now evictable;
+- `on_hit(b)`: a prefix hit reused cached block b (evictable or not); if it was evictable, it no
+  longer is;
+- `on_evict(b)`: the pool evicted b (it was `victim()`); b's hash is gone, forget it.
+
+`victim()` names the evictable block to evict next without removing it. Empty (never hashed)
+free blocks are the pool's business and are always used before any victim is asked for.
+
+Every operation is O(1) (LRU, MRU) or amortised O(log n) (FIFO, LFU): pools hold 10^4-10^5
+blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Any, ClassVar
+
+
+class EvictionPolicy(ABC):
+    """Chooses the victim among the evictable (cached, unreferenced) blocks.
+
+    One instance serves one pool: every method mutates the policy's own record of which blocks
+    are evictable and whatever history it keeps.
+    """
+
+    name: ClassVar[str] = ""
+
+    def on_cache(self, block_id: int) -> None:  # noqa: B027 (an optional hook)
+        """Block `block_id` got a hash; it is referenced, hence not evictable yet."""
+
+    @abstractmethod
+    def on_free(self, block_id: int) -> None:
+        """Cached block `block_id` lost its last reference: it becomes evictable."""
+
+    @abstractmethod
+    def on_hit(self, block_id: int) -> None:
+        """A prefix hit reused `block_id`; it stops being evictable if it was."""
+
+    @abstractmethod
+    def on_evict(self, block_id: int) -> None:
+        """The pool evicted `block_id` (the last `victim()`): drop it and its history."""
+
+    @abstractmethod
+    def victim(self) -> int:
+        """The evictable block to evict next (left in place: the pool calls `on_evict`)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """The number of evictable blocks."""
+
+    @abstractmethod
+    def __contains__(self, block_id: object) -> bool:
+        """Whether `block_id` is evictable."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: evicts the block that has been free the longest."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest free first
+
+    def on_free(self, block_id: int) -> None:
+        self._evictable[block_id] = None
+
+    def on_hit(self, block_id: int) -> None:
+        self._evictable.pop(block_id, None)
+
+    def on_evict(self, block_id: int) -> None:
+        del self._evictable[block_id]
+
+    def victim(self) -> int:
+        return next(iter(self._evictable))
+
+    def __len__(self) -> int:
+        return len(self._evictable)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._evictable
+
+
+class MRUPolicy(LRUPolicy):
+    """Most recently used: evicts the block freed last (suits one-pass scans over a long prompt)."""
+
+    name = "mru"
+
+    def victim(self) -> int:
+        return next(reversed(self._evictable))
+
+
+class PriorityPolicy(EvictionPolicy):
+    """Evicts the evictable block of smallest `priority`, ties broken by least recently freed.
+
+    A block's priority is read once, when it is freed, and must not change while it stays
+    evictable. Kept in a heap with lazy deletion, rebuilt when stale entries dominate.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[Any, int, int]] = []  # (priority, free order, block id)
+        self._entries: dict[int, tuple[Any, int, int]] = {}  # the live entry of each evictable
+        self._free_order = itertools.count()
+
+    @abstractmethod
+    def priority(self, block_id: int) -> Any:
+        """A comparable key; smaller is evicted first."""
+
+    def on_free(self, block_id: int) -> None:
+        entry = (self.priority(block_id), next(self._free_order), block_id)
+        self._entries[block_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    def on_hit(self, block_id: int) -> None:
+        if self._entries.pop(block_id, None) is not None:
+            self._compact_if_stale()
+
+    def on_evict(self, block_id: int) -> None:
+        del self._entries[block_id]
+        self._compact_if_stale()
+
+    def victim(self) -> int:
+        heap = self._heap
+        while self._entries.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def _compact_if_stale(self) -> None:
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = list(self._entries.values())
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._entries
+
+
+class FIFOPolicy(PriorityPolicy):
+    """First in, first out: evicts the block cached earliest, however often it was reused."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cached_order: dict[int, int] = {}
+        self._counter = itertools.count()
+
+    def on_cache(self, block_id: int) -> None:
+        self._cached_order[block_id] = next(self._counter)
+
+    def on_evict(self, block_id: int) -> None:
+        super().on_evict(block_id)
+        del self._cached_order[block_id]
+
+    def priority(self, block_id: int) -> int:
+        return self._cached_order[block_id]
+
+
+class LFUPolicy(PriorityPolicy):
+    """Least frequently used: evicts the block with the fewest prefix hits since it was cached;
+    ties go to the least recently freed."""
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hits: dict[int, int] = {}
+
+    def on_cache(self, block_id: int) -> None:
+        self._hits[block_id] = 0
+
+    def on_hit(self, block_id: int) -> None:
+        super().on_hit(block_id)
+        self._hits[block_id] += 1
+
+    def on_evict(self, block_id: int) -> None:
+        super().on_evict(block_id)
+        del self._hits[block_id]
+
+    def priority(self, block_id: int) -> int:
+        return self._hits[block_id]
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    policy.name: policy for policy in (LRUPolicy, FIFOPolicy, LFUPolicy, MRUPolicy)
+}
+
+
+def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A fresh policy from its name ("lru", "fifo", "lfu", "mru"), or `policy` itself."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return POLICIES[policy.lower()]()
+    raise ValueError(
+        f"eviction_policy must be one of {sorted(POLICIES)} or an EvictionPolicy instance, "
+        f"got {policy!r}"
+    )

@@ -1,0 +1,54 @@
+"""Chained hashes of full KV blocks, the keys of the prefix cache (pure functions).
+
+Block i's hash covers the hash of block i - 1 and the token ids of block i, so equal hashes mean
+(barring a 64-bit collision) equal prefixes. The block pool never trusts a hash alone: a hit is
+confirmed by comparing the stored token ids and the identity of the parent block
+(`BlockPool.find_cached_prefix`), so a collision costs a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The canonical bytes of some token ids: little-endian uint32, 4 bytes per token."""
+    return np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
+    """The xxhash64 of one full block chained to its parent.
+
+    Args:
+        parent_hash: the previous block's hash; None for the first block of a sequence.
+        token_ids: [block_size] the token ids of this block.
+
+    Returns:
+        An unsigned 64-bit integer.
+    """
+    hasher = xxhash.xxh64()
+    if parent_hash is not None:
+        # NOTE: a root block hashes its tokens only, so no parent value can imitate "no parent".
+        hasher.update(parent_hash.to_bytes(8, "little"))
+    hasher.update(pack_token_ids(token_ids))
+    return hasher.intdigest()
+
+
+def extend_block_hashes(
+    block_hashes: list[int], token_ids: Sequence[int] | np.ndarray, block_size: int
+) -> None:
+    """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks.
+
+    Args:
+        block_hashes: hashes of the first len(block_hashes) blocks of `token_ids`; mutated.
+        token_ids: [N] the tokens; only the N // block_size full blocks are hashed.
+        block_size: tokens per block.
+    """
+    parent = block_hashes[-1] if block_hashes else None
+    for index in range(len(block_hashes), len(token_ids) // block_size):
+        start = index * block_size
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        block_hashes.append(parent)
