@@ -1,0 +1,203 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p and min-p, mixed per row.
+
+Filters apply in vLLM's order: temperature, then top-k, then top-p (on the distribution left by
+top-k), then min-p. Each filter keeps every token whose scaled logit reaches a per-row threshold,
+so tokens tied with the boundary token are kept too. Min-p compares each probability with the top
+one, a ratio that the earlier filters do not change (they always keep the top token), so it is
+applied to the scaled logits directly.
+
+The random draw is Gumbel-max over the whole vocabulary with noise from a key derived from
+(seed, step) of the row alone: a seeded request's tokens do not depend on the rest of the batch,
+its row index or the batch size.
+
+Legend: S sampled rows, V vocab, C candidates (`NUM_CANDIDATES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxllm.sampling_params import SamplingParams
+
+# Rows whose temperature is below this are greedy (vLLM's epsilon).
+GREEDY_TEMPERATURE = 1e-5
+# Top-k/top-p thresholds are first looked for among the C largest logits of each row (one
+# `lax.top_k`); only rows whose kept set does not end strictly inside the candidates need a full
+# sort of the row. Qwen3's recommended settings (top_k=20, top_p=0.8/0.95) fit on trained models.
+NUM_CANDIDATES = 256
+
+
+@struct.dataclass
+class SamplingInputs:
+    """Per-row sampling settings of one step (a pytree of [S] arrays).
+
+    Attributes:
+        temperature: [S] float32; below `GREEDY_TEMPERATURE` means greedy (argmax).
+        top_k: [S] int32; keep the k largest logits; 0 keeps all.
+        top_p: [S] float32; keep the smallest prefix of tokens, by falling probability, whose
+            mass reaches top_p (the boundary token included); 1 keeps all.
+        min_p: [S] float32; drop tokens whose probability is below min_p times the top one;
+            0 keeps all.
+        seeds: [S] uint32; the row's random stream.
+        steps: [S] int32; tokens the request generated so far (selects the draw in the stream).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        num_rows: int | None = None,
+    ) -> SamplingInputs:
+        """Builds the host-side (numpy) inputs of a batch; rows past len(params) are greedy.
+
+        Args:
+            params: each row's SamplingParams.
+            steps: each row's number of generated tokens so far.
+            num_rows: pad to this many rows (the batch bucket); defaults to len(params).
+        """
+        num_rows = len(params) if num_rows is None else num_rows
+        if len(steps) != len(params) or num_rows < len(params):
+            raise ValueError(f"{len(params)} params, {len(steps)} steps, {num_rows} rows")
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        step_array = np.zeros(num_rows, np.int32)
+        for row, (p, step) in enumerate(zip(params, steps, strict=True)):
+            temperature[row] = p.temperature
+            top_k[row] = min(p.top_k, np.iinfo(np.int32).max)
+            top_p[row] = p.top_p
+            min_p[row] = p.min_p
+            seeds[row] = fold_seed(p.sampling_seed)
+            step_array[row] = step
+        return cls(temperature, top_k, top_p, min_p, seeds, step_array)
+
+
+def fold_seed(seed: int) -> np.uint32:
+    """Folds a seed in [0, 2**64) into the 32 bits the device key takes (xor of both halves)."""
+    return np.uint32((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """Samples one token per row; jittable.
+
+    Args:
+        logits: [S, V] float32.
+        inputs: the rows' settings, each field [S].
+
+    Returns:
+        [S] int32 token ids.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    is_greedy = inputs.temperature < GREEDY_TEMPERATURE
+
+    def sample_random() -> jax.Array:
+        temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
+        scaled = logits / temperature[:, None]  # [S, V]
+        vocab_size = scaled.shape[-1]
+        # NOTE: greedy rows take no filter work: their filters are switched off here.
+        top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
+        top_k = jnp.maximum(top_k, 0)
+        top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
+        filtered = (top_k > 0) | (top_p < 1.0)
+
+        row_max = jnp.max(scaled, axis=-1)  # [S]
+        ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
+        threshold = jax.lax.cond(
+            jnp.any(filtered),
+            lambda: _top_k_top_p_threshold(scaled, ratio, row_max, top_k, top_p, filtered),
+            lambda: jnp.full_like(row_max, -jnp.inf),
+        )
+        keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
+        noise = jax.vmap(_gumbel_noise, in_axes=(0, 0, None))(
+            inputs.seeds, inputs.steps, vocab_size
+        )
+        sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
+        return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, sample_random)
+
+
+def _gumbel_noise(seed: jax.Array, step: jax.Array, vocab_size: int) -> jax.Array:
+    """[V] Gumbel noise of one row, a function of (seed, step) only."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+
+def _top_k_top_p_threshold(
+    scaled: jax.Array,
+    ratio: jax.Array,
+    row_max: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    filtered: jax.Array,
+) -> jax.Array:
+    """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing).
+
+    Each row's threshold comes from its C largest logits when its kept set ends strictly inside
+    them; the other rows (if any) sort their whole row. The choice is per row, so a row's result
+    does not depend on the other rows.
+    """
+    vocab_size = scaled.shape[-1]
+    full_mass = jnp.sum(ratio, axis=-1)  # [S]
+    num_candidates = min(NUM_CANDIDATES, vocab_size)
+    candidates, _ = jax.lax.top_k(scaled, num_candidates)  # [S, C] descending
+    threshold, k_threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p)
+    # NOTE: thresholds above the smallest candidate mean that every token kept is a candidate
+    # and the top-k mass (which top-p divides by) is complete: the candidates gave the answer.
+    smallest = candidates[:, -1]
+    exact = (threshold > smallest) & ((top_k == 0) | (k_threshold > smallest))
+    exact = ~filtered | exact | (num_candidates == vocab_size)
+
+    def sort_rows() -> jax.Array:
+        descending = jnp.sort(scaled, axis=-1, descending=True)  # [S, V]
+        full, _ = _threshold_from_sorted(descending, row_max, full_mass, top_k, top_p)
+        return jnp.where(exact, threshold, full)
+
+    threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, sort_rows)
+    return jnp.where(filtered, threshold, -jnp.inf)
+
+
+def _threshold_from_sorted(
+    descending: jax.Array,
+    row_max: jax.Array,
+    full_mass: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k/top-p thresholds from the W largest scaled logits of each row, [S, W] descending.
+
+    Returns:
+        ([S] the combined threshold, [S] the top-k one (-inf where top-k is off)). Exact when
+        both end strictly inside the W values (always when W == V).
+    """
+    width = descending.shape[-1]
+    k_index = jnp.where(top_k > 0, jnp.minimum(top_k, width), width) - 1
+    k_threshold = jnp.take_along_axis(descending, k_index[:, None], axis=-1)[:, 0]
+    k_threshold = jnp.where(top_k > 0, k_threshold, -jnp.inf)
+    in_top_k = descending >= k_threshold[:, None]  # [S, W]
+    weights = jnp.where(in_top_k, jnp.exp(descending - row_max[:, None]), 0.0)  # [S, W]
+    mass = jnp.where(top_k > 0, jnp.sum(weights, axis=-1), full_mass)  # [S]
+    cumulative = jnp.cumsum(weights, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], -1)
+    # Keep the prefix up to and including the first token at which the mass reaches top_p.
+    keep = in_top_k & (mass_before < (top_p * mass)[:, None])
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    p_threshold = jnp.take_along_axis(descending, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    threshold = jnp.where(top_p < 1.0, jnp.maximum(p_threshold, k_threshold), k_threshold)
+    return threshold, k_threshold

@@ -1,0 +1,229 @@
+"""The device sampler against exact distributions computed in numpy, and its key derivation.
+
+Distribution tests sample one hand-chosen logit row once per seed (N seeds, step 0) and compare
+the empirical distribution with the exact one: the total-variation distance must stay within the
+99.9% quantile of what a correct multinomial sampler of N draws shows, and tokens outside the
+allowed set must never appear.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.model import sampler as sampler_module
+from jaxllm.model.sampler import SamplingInputs, fold_seed, sample
+from jaxllm.sampling_params import SamplingParams
+
+NUM_DRAWS = 4096
+_sample = jax.jit(sample)
+
+# Probabilities of the 32-token test row at temperature 1, in a shuffled token order. Sorted:
+# 0.40, 0.25, 0.15, 0.10, then 28 tokens sharing 0.10 unevenly.
+_HEAD = [0.40, 0.25, 0.15, 0.10]
+_TAIL = np.linspace(1.0, 2.0, 28) / np.linspace(1.0, 2.0, 28).sum() * 0.10
+_ORDER = np.random.default_rng(7).permutation(32)
+PROBS = np.empty(32)
+PROBS[_ORDER] = np.concatenate([_HEAD, _TAIL])
+LOGITS = np.log(PROBS).astype(np.float32) + 3.0  # an offset changes nothing
+
+
+def exact_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The distribution the sampler must draw from, in float64 (vLLM's filter order)."""
+    if temperature == 0.0:
+        return np.eye(len(logits))[np.argmax(logits)]
+    scaled = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.ones_like(probs, bool)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        kept = np.where(keep, probs, 0.0)
+        kept_sorted = kept[order] / kept.sum()
+        mass_before = np.concatenate([[0.0], np.cumsum(kept_sorted)[:-1]])
+        # The prefix up to and including the first token at which the mass reaches top_p.
+        keep[order[mass_before >= top_p]] = False
+    keep &= probs >= min_p * probs.max()
+    result = np.where(keep, probs, 0.0)
+    return result / result.sum()
+
+
+def draw(logits, num_draws=NUM_DRAWS, steps=0, **settings):
+    """Samples `logits` once per seed 0..num_draws-1 (rows of one batch)."""
+    params = [SamplingParams(seed=seed, **settings) for seed in range(num_draws)]
+    inputs = SamplingInputs.from_params(params, [steps] * num_draws)
+    batch = np.broadcast_to(logits, (num_draws, len(logits)))
+    return np.asarray(_sample(jnp.asarray(batch), inputs))
+
+
+def assert_matches(tokens, expected):
+    """Empirical vs exact: nothing outside the support, TV within a correct sampler's spread."""
+    vocab_size = len(expected)
+    outside = set(tokens.tolist()) - set(np.flatnonzero(expected).tolist())
+    assert not outside, f"tokens outside the allowed set: {sorted(outside)}"
+    empirical = np.bincount(tokens, minlength=vocab_size) / len(tokens)
+    tv = 0.5 * np.abs(empirical - expected).sum()
+    simulated = np.random.default_rng(0).multinomial(len(tokens), expected, size=2000)
+    simulated_tv = 0.5 * np.abs(simulated / len(tokens) - expected).sum(axis=1)
+    bound = np.quantile(simulated_tv, 0.999)
+    assert tv <= bound, (
+        f"TV {tv:.4f} > {bound:.4f} (mean for a correct sampler {simulated_tv.mean():.4f})"
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_temperature(temperature):
+    expected = exact_distribution(LOGITS, temperature)
+    assert_matches(draw(LOGITS, temperature=temperature), expected)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 5])
+def test_top_k(top_k):
+    expected = exact_distribution(LOGITS, top_k=top_k)
+    assert np.count_nonzero(expected) == top_k
+    assert_matches(draw(LOGITS, top_k=top_k), expected)
+
+
+@pytest.mark.parametrize(
+    ("top_p", "num_kept"),
+    [
+        (0.3, 1),  # the top token alone reaches 0.3
+        (0.6, 2),  # 0.40 < 0.6 <= 0.65: the boundary token (0.25) is kept
+        (0.66, 3),  # 0.65 < 0.66: a third token is needed
+        (0.95, 16),  # into the tail: 0.9475 < 0.95 <= 0.9513
+    ],
+)
+def test_top_p_keeps_the_boundary_token(top_p, num_kept):
+    expected = exact_distribution(LOGITS, top_p=top_p)
+    assert np.count_nonzero(expected) == num_kept
+    assert_matches(draw(LOGITS, top_p=top_p), expected)
+
+
+def test_top_p_applies_to_the_top_k_distribution():
+    # Top-3 renormalized is 0.5, 0.3125, 0.1875: top_p=0.7 keeps 2 tokens (before top-k: 3).
+    expected = exact_distribution(LOGITS, top_k=3, top_p=0.7)
+    assert np.count_nonzero(expected) == 2
+    assert_matches(draw(LOGITS, top_k=3, top_p=0.7), expected)
+
+
+@pytest.mark.parametrize(("min_p", "temperature"), [(0.3, 1.0), (0.3, 1.5), (0.05, 0.8)])
+def test_min_p(min_p, temperature):
+    expected = exact_distribution(LOGITS, temperature, min_p=min_p)
+    assert 1 < np.count_nonzero(expected) < 32
+    assert_matches(draw(LOGITS, temperature=temperature, min_p=min_p), expected)
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(1).normal(size=(64, 32)).astype(np.float32)
+    rng = np.random.default_rng(2)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            top_k=int(rng.integers(0, 5)),
+            top_p=float(rng.uniform(0.1, 1.0)),
+            min_p=float(rng.uniform(0.0, 1.0)),
+            seed=row,
+        )
+        for row in range(64)
+    ]
+    tokens = _sample(jnp.asarray(logits), SamplingInputs.from_params(params, range(64)))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+
+def test_mixed_settings_in_one_batch():
+    settings = [
+        {"temperature": 0.0},
+        {"temperature": 1.7},
+        {"top_k": 3},
+        {"top_p": 0.6},
+        {"top_k": 3, "top_p": 0.7},
+        {"min_p": 0.3, "temperature": 1.5},
+    ]
+    rows = [(group, seed) for seed in range(NUM_DRAWS // 4) for group in range(len(settings))]
+    params = [SamplingParams(seed=seed, **settings[group]) for group, seed in rows]
+    batch = np.broadcast_to(LOGITS, (len(rows), 32))
+    tokens = np.asarray(
+        _sample(jnp.asarray(batch), SamplingInputs.from_params(params, [0] * len(rows)))
+    )
+    groups = np.array([group for group, _ in rows])
+    for group, setting in enumerate(settings):
+        assert_matches(tokens[groups == group], exact_distribution(LOGITS, **setting))
+
+
+def test_seeded_row_is_independent_of_the_batch():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 32)).astype(np.float32)
+    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    for step in range(20):
+        alone = _sample(jnp.asarray(logits[5:6]), SamplingInputs.from_params([mine], [step]))
+        others = [SamplingParams(temperature=0.8, top_k=4, seed=s) for s in range(7)]
+        params = [*others[:5], mine, *others[5:]]
+        batch = _sample(jnp.asarray(logits), SamplingInputs.from_params(params, [step] * 8))
+        assert int(alone[0]) == int(batch[5])
+
+
+def test_steps_give_different_streams():
+    logits = np.zeros((1, 32), np.float32)
+    params = SamplingParams(seed=99)
+
+    def stream(step_list, seed_params=params):
+        batch = np.broadcast_to(logits, (len(step_list), 32))
+        inputs = SamplingInputs.from_params([seed_params] * len(step_list), step_list)
+        return np.asarray(_sample(jnp.asarray(batch), inputs))
+
+    tokens = stream(list(range(256)))
+    assert len(set(tokens.tolist())) > 20  # uniform over 32 tokens: about 31 distinct
+    np.testing.assert_array_equal(tokens, stream(list(range(256))))  # reproducible
+    np.testing.assert_array_equal(tokens[10:20], stream(list(range(10, 20)))[:10])
+    other_seed = stream(list(range(256)), SamplingParams(seed=100))
+    assert np.mean(tokens == other_seed) < 0.2
+
+
+def test_candidate_and_full_sort_paths_agree(monkeypatch):
+    """Rows that fit the top-k candidates and rows that need a full sort give the same tokens."""
+    rng = np.random.default_rng(4)
+    vocab_size = 1000
+    peaked = rng.normal(size=vocab_size).astype(np.float32) * 4.0
+    flat = rng.normal(size=vocab_size).astype(np.float32) * 0.3
+    settings = [{"top_k": 20}, {"top_p": 0.8}, {"top_k": 50, "top_p": 0.9}, {"min_p": 0.1}]
+    rows = [
+        (logit_row, setting, seed)
+        for logit_row in (peaked, flat)
+        for setting in settings
+        for seed in range(16)
+    ]
+    params = [SamplingParams(seed=seed, **setting) for _, setting, seed in rows]
+    logits = jnp.asarray(np.stack([logit_row for logit_row, _, _ in rows]))
+    inputs = SamplingInputs.from_params(params, [3] * len(rows))
+    results = []
+    for num_candidates in (vocab_size, 256, 8):
+        monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", num_candidates)
+        results.append(np.asarray(jax.jit(sample)(logits, inputs)))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+    # The peaked rows alone (all fit the candidates) give the same tokens as in the mixed batch.
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 256)
+    half = len(rows) // 2
+    alone = jax.jit(sample)(logits[:half], jax.tree.map(lambda a: a[:half], inputs))
+    np.testing.assert_array_equal(alone, results[0][:half])
+
+
+def test_top_p_over_many_tokens_needs_the_full_sort():
+    vocab_size = 1000
+    logits = np.random.default_rng(5).normal(size=vocab_size).astype(np.float32) * 0.5
+    expected = exact_distribution(logits, top_p=0.5)
+    assert np.count_nonzero(expected) > sampler_module.NUM_CANDIDATES
+    assert_matches(draw(logits, num_draws=2048, top_p=0.5), expected)
+
+
+def test_from_params_pads_with_greedy_rows():
+    inputs = SamplingInputs.from_params([SamplingParams(seed=2**40 + 5, top_k=7)], [11], 4)
+    np.testing.assert_array_equal(inputs.temperature, [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(inputs.top_k, [7, 0, 0, 0])
+    np.testing.assert_array_equal(inputs.steps, [11, 0, 0, 0])
+    assert inputs.seeds.dtype == np.uint32 and inputs.seeds[0] == fold_seed(2**40 + 5)
+    assert fold_seed(2**40 + 5) != fold_seed(5)
+    with pytest.raises(ValueError):
+        SamplingInputs.from_params([SamplingParams()] * 3, [0, 0, 0], 2)
