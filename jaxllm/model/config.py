@@ -1,0 +1,155 @@
+"""The Qwen3 model's shape and numerics: a frozen, hashable config (a static jit argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """Shape and numerics of a Qwen3 causal LM.
+
+    Attributes:
+        dtype: parameter and activation dtype name ("float32" or "bfloat16"); attention softmax
+            and the final logits are always float32.
+        attention_backend: name of the attention function in `jaxllm.model.attention`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40_960
+    dtype: str = "bfloat16"
+    attention_backend: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"unsupported dtype {self.dtype!r}; expected one of {SUPPORTED_DTYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> Qwen3Config:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Qwen3Config:
+        """Inverse of `to_dict` (the format saved beside orbax checkpoints)."""
+        return cls(**values)
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> Qwen3Config:
+        """Reads a Hugging Face Qwen3 `config.json` (a file, its directory, or its parsed dict).
+
+        Raises:
+            ValueError: the architecture, model type or a feature is not supported.
+        """
+        if isinstance(path_or_dict, dict):
+            hf = path_or_dict
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            hf = json.loads(path.read_text())
+        architectures = hf.get("architectures") or []
+        unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unsupported:
+            raise ValueError(
+                f"unsupported architecture {', '.join(unsupported)}; "
+                f"jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; jaxllm supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if hf.get("attention_bias", False):
+            raise ValueError("unsupported Qwen3 config: attention_bias=true")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported Qwen3 config: hidden_act={hf['hidden_act']!r}")
+        # NOTE: transformers 5 writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported Qwen3 config: rope_type={rope_type!r}")
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 40_960),
+            dtype=dtype,
+        )
+
+
+def _published(layers: int, hidden: int, heads: int, ffn: int, tied: bool) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=tied,
+    )
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    # A CPU-sized model with the real vocabulary, for tests and demos.
+    "qwen3-tiny": Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        dtype="float32",
+    ),
+    "qwen3-0.6b": _published(28, 1024, 16, 3072, tied=True),
+    "qwen3-1.7b": _published(28, 2048, 16, 6144, tied=True),
+    "qwen3-4b": _published(36, 2560, 32, 9728, tied=True),
+    "qwen3-8b": _published(36, 4096, 32, 12288, tied=False),
+    "qwen3-14b": _published(40, 5120, 40, 17408, tied=False),
+    "qwen3-32b": _published(64, 5120, 64, 25600, tied=False),
+}

@@ -1,0 +1,108 @@
+"""Qwen3Config: reading HF config.json, presets and their published parameter counts."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from jaxllm.model.config import PRESETS, Qwen3Config
+from jaxllm.model.qwen3 import abstract_params, param_count
+
+HF_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
+
+# preset -> (total, non-embedding) parameters as published (rounded to 2-3 digits)
+PUBLISHED = {
+    "qwen3-0.6b": (0.6e9, 0.44e9),
+    "qwen3-1.7b": (1.7e9, 1.4e9),
+    "qwen3-4b": (4.0e9, 3.6e9),
+    "qwen3-8b": (8.2e9, 6.95e9),
+    "qwen3-14b": (14.8e9, 13.2e9),
+    "qwen3-32b": (32.8e9, 31.2e9),
+}
+
+
+def test_from_hf_reads_the_published_0_6b_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+
+    config = Qwen3Config.from_hf(tmp_path)
+
+    assert config == PRESETS["qwen3-0.6b"]
+    assert Qwen3Config.from_hf(HF_CONFIG) == config
+
+
+def test_from_hf_reads_transformers_5_rope_parameters():
+    hf = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "torch_dtype")}
+    hf |= {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}, "dtype": "float32"}
+
+    config = Qwen3Config.from_hf(hf)
+
+    assert (config.rope_theta, config.dtype) == (5000.0, "float32")
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
+        ({"architectures": None, "model_type": "qwen3_moe"}, "qwen3_moe"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_from_hf_rejects_unsupported_models_by_name(changes, named):
+    with pytest.raises(ValueError, match=named):
+        Qwen3Config.from_hf(HF_CONFIG | changes)
+
+
+def test_config_is_hashable_and_frozen():
+    config = PRESETS["qwen3-tiny"]
+    assert hash(config) == hash(config.replace())
+    assert config.replace(dtype="bfloat16") != config
+    with pytest.raises(AttributeError):
+        config.num_layers = 3
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_preset_parameter_counts_match_published(name):
+    total, non_embedding = PUBLISHED[name]
+    config = PRESETS[name]
+    # NOTE: Qwen3-1.7B has 1.72B parameters (tied); its published "1.7B" is rounded by 1.2%.
+    total_tolerance = 0.015 if name == "qwen3-1.7b" else 0.01
+
+    assert param_count(config) == pytest.approx(total, rel=total_tolerance)
+    assert param_count(config, non_embedding=True) == pytest.approx(non_embedding, rel=0.01)
+
+
+def test_abstract_params_allocate_nothing_and_stack_layers():
+    config = PRESETS["qwen3-32b"]
+    shapes = abstract_params(config)
+
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(shapes))
+    assert shapes["layers"]["attn"]["q_proj"].shape == (64, 5120, 64, 128)
+    assert shapes["layers"]["mlp"]["down_proj"].shape == (64, 25600, 5120)
+    assert shapes["lm_head"].shape == (5120, 151936)
+    assert shapes["embed"].dtype == jax.numpy.bfloat16
+
+
+def test_tiny_preset_is_cpu_sized_with_the_real_vocabulary():
+    config = PRESETS["qwen3-tiny"]
+    assert config.vocab_size == 151_936 and config.tie_word_embeddings
+    assert param_count(config, non_embedding=True) < 10e6

@@ -1,0 +1,125 @@
+"""jaxllm logits against transformers' Qwen3 in float32, through the paged cache."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.qwen3 import forward
+
+from .conftest import VOCAB_SIZE, HFModel
+from .helpers import Chunk, build_inputs, relative_error
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 32
+TABLE_WIDTH = 6  # 48 positions per sequence
+TOLERANCE = 1e-4
+
+step = jax.jit(forward, static_argnums=1, donate_argnums=2)
+
+
+def random_tokens(rng: np.random.Generator, count: int) -> list[int]:
+    return rng.integers(0, VOCAB_SIZE, count).tolist()
+
+
+def scattered_tables(rng: np.random.Generator, count: int) -> list[list[int]]:
+    """`count` block tables of TABLE_WIDTH blocks each, drawn from a shuffled pool."""
+    pool = rng.permutation(NUM_BLOCKS).tolist()
+    return [pool[i * TABLE_WIDTH : (i + 1) * TABLE_WIDTH] for i in range(count)]
+
+
+def run(model: HFModel, cache, chunks: list[Chunk], tile_size: int, num_tiles=None):
+    inputs = build_inputs(chunks, BLOCK_SIZE, tile_size, TABLE_WIDTH, num_tiles)
+    logits, cache = step(model.params, model.config, cache, inputs)
+    assert logits.dtype == np.float32
+    return np.asarray(logits), cache
+
+
+def test_prefill_matches_transformers(hf_model: HFModel):
+    rng = np.random.default_rng(1)
+    tokens = random_tokens(rng, 21)
+    [table] = scattered_tables(rng, 1)
+    cache = allocate_kv_cache(hf_model.config, NUM_BLOCKS, BLOCK_SIZE)
+
+    logits, _ = run(hf_model, cache, [Chunk(tokens, 0, table)], tile_size=4)
+
+    assert relative_error(logits, hf_model.reference_logits(tokens)) <= TOLERANCE
+
+
+def test_prefill_then_decode_matches_transformers(hf_model: HFModel):
+    rng = np.random.default_rng(2)
+    prompt_lens, num_decode = (11, 5), 16
+    sequences = [random_tokens(rng, n + num_decode) for n in prompt_lens]
+    tables = scattered_tables(rng, 2)
+    cache = allocate_kv_cache(hf_model.config, NUM_BLOCKS, BLOCK_SIZE)
+    prefill = [Chunk(s[:n], 0, t) for s, n, t in zip(sequences, prompt_lens, tables, strict=True)]
+    logits, cache = run(hf_model, cache, prefill, tile_size=4)
+    got = [[logits[: prompt_lens[0]]], [logits[prompt_lens[0] :]]]
+
+    for i in range(num_decode):
+        decode = [
+            Chunk([s[n + i]], n + i, t)
+            for s, n, t in zip(sequences, prompt_lens, tables, strict=True)
+        ]
+        # Two more all-padding tiles: they must write nothing and produce no NaN.
+        logits, cache = run(hf_model, cache, decode, tile_size=1, num_tiles=4)
+        got[0].append(logits[:1])
+        got[1].append(logits[1:])
+
+    for sequence, rows in zip(sequences, got, strict=True):
+        expected = hf_model.reference_logits(sequence)
+        assert relative_error(np.concatenate(rows), expected) <= TOLERANCE
+
+
+def test_chunked_prefill_attends_to_earlier_chunk(hf_model: HFModel):
+    rng = np.random.default_rng(3)
+    tokens = random_tokens(rng, 21)
+    [table] = scattered_tables(rng, 1)
+    cache = allocate_kv_cache(hf_model.config, NUM_BLOCKS, BLOCK_SIZE)
+
+    first, cache = run(hf_model, cache, [Chunk(tokens[:9], 0, table)], tile_size=4)
+    second, _ = run(hf_model, cache, [Chunk(tokens[9:], 9, table)], tile_size=4)
+
+    expected = hf_model.reference_logits(tokens)
+    assert relative_error(first, expected[:9]) <= TOLERANCE
+    assert relative_error(second, expected[9:]) <= TOLERANCE
+
+
+def test_mixed_batch_of_prefill_decode_and_chunk(hf_model: HFModel):
+    rng = np.random.default_rng(4)
+    new, decoding, chunked = (random_tokens(rng, n) for n in (7, 11, 11))
+    tables = scattered_tables(rng, 3)
+    cache = allocate_kv_cache(hf_model.config, NUM_BLOCKS, BLOCK_SIZE)
+    earlier = [Chunk(decoding[:10], 0, tables[1]), Chunk(chunked[:6], 0, tables[2])]
+    _, cache = run(hf_model, cache, earlier, tile_size=4)
+
+    batch = [
+        Chunk(new, 0, tables[0]),
+        Chunk(decoding[10:], 10, tables[1]),
+        Chunk(chunked[6:], 6, tables[2]),
+    ]
+    logits, _ = run(hf_model, cache, batch, tile_size=4, num_tiles=6)
+
+    expected = np.concatenate(
+        [
+            hf_model.reference_logits(new),
+            hf_model.reference_logits(decoding)[10:],
+            hf_model.reference_logits(chunked)[6:],
+        ]
+    )
+    assert relative_error(logits, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("hf_model", ["tied-mqa"], indirect=True)
+@pytest.mark.parametrize("tile_size", [1, 2, 8])
+def test_prefill_with_other_tile_sizes(hf_model: HFModel, tile_size: int):
+    rng = np.random.default_rng(5)
+    tokens = random_tokens(rng, 13)
+    [table] = scattered_tables(rng, 1)
+    cache = allocate_kv_cache(hf_model.config, NUM_BLOCKS, BLOCK_SIZE)
+
+    logits, _ = run(hf_model, cache, [Chunk(tokens, 0, table)], tile_size=tile_size)
+
+    assert relative_error(logits, hf_model.reference_logits(tokens)) <= TOLERANCE
