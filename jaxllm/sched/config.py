@@ -1,0 +1,53 @@
+"""The scheduler's settings: one frozen, validated dataclass (no jax here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler, the block pool and the batch builder need to know.
+
+    Attributes:
+        num_blocks: KV blocks in the cache (known once the device memory is measured).
+        block_size: tokens per KV block.
+        max_num_seqs: the most running sequences, hence the largest decode batch.
+        max_num_batched_tokens: the token budget of a prefill step, counted after padding each
+            sequence's chunk to whole tiles; a multiple of `prefill_tile`.
+        max_model_len: the longest sequence (prompt plus output) a request may reach.
+        prefill_tile: prefill tokens are laid out in tiles of this many tokens of one sequence.
+        enable_prefix_caching: reuse cached KV of identical full blocks across requests.
+        eos_token_ids: tokens that end a request unless its params say `ignore_eos`.
+    """
+
+    num_blocks: int
+    block_size: int = 256
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    prefill_tile: int = 128
+    enable_prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(
+                f"SchedulerConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
+            )
+
+        for name in ("num_blocks", "block_size", "max_num_seqs", "prefill_tile"):
+            if getattr(self, name) < 1:
+                fail(name, "an integer >= 1")
+        if self.max_model_len < 2:
+            fail("max_model_len", "an integer >= 2")
+        tile = self.prefill_tile
+        if self.max_num_batched_tokens < tile or self.max_num_batched_tokens % tile:
+            fail("max_num_batched_tokens", f"a positive multiple of prefill_tile={tile}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks of the longest sequence: the widest block table."""
+        return -(-self.max_model_len // self.block_size)

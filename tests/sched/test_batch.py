@@ -1,0 +1,141 @@
+"""Batch descriptors: ladder shapes, tile front padding, slot mapping, sampled rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_helpers import Harness, assert_descriptor_contract, make_config, make_scheduler, make_seq
+
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched import BatchBuilder, BucketLadder, BucketShape
+
+
+def test_ladder_rungs_and_all_shapes():
+    config = make_config(
+        block_size=16,
+        max_num_seqs=48,
+        max_num_batched_tokens=96,
+        max_model_len=200,
+        prefill_tile=16,
+    )
+    ladder = BucketLadder.from_config(config)
+    assert ladder.decode_sizes == (1, 2, 4, 8, 16, 32, 48)
+    assert ladder.prefill_sizes == (16, 32, 64, 96)
+    assert ladder.widths == (1, 2, 4, 8, 13)  # ceil(200 / 16) = 13
+    shapes = ladder.all_shapes()
+    assert len(shapes) == len(set(shapes)) == 7 * 5 + 4 * 5
+    assert BucketShape("decode", 32, 32, 32, 8) in shapes
+    assert BucketShape("prefill", 64, 4, 4, 13) in shapes
+    assert ladder.decode_shape(5, 3) == ("decode", 8, 8, 8, 4)
+    assert ladder.prefill_shape(80, 9) == ("prefill", 96, 6, 6, 13)
+    with pytest.raises(ValueError, match="beyond"):
+        ladder.decode_shape(49, 1)
+    with pytest.raises(ValueError, match="beyond"):
+        ladder.prefill_shape(16, 14)
+
+
+def test_every_built_shape_is_on_the_ladder():
+    scheduler = make_scheduler(num_blocks=12, max_num_seqs=5)
+    harness = Harness(scheduler)
+    shapes = set(harness.builder.ladder.all_shapes())
+    for k in range(9):
+        make_seq(scheduler, 2 + 3 * k, max_tokens=1 + k % 4)
+    seen = set()
+    while scheduler.has_unfinished():
+        desc, _ = harness.step()
+        seen.add(desc.shape)
+    assert seen <= shapes and {shape.kind for shape in seen} == {"prefill", "decode"}
+
+
+def test_prefill_tiles_are_front_padded():
+    scheduler = make_scheduler()  # block size 4, tile 4, budget 16
+    a = make_seq(scheduler, [10, 11, 12, 13, 14, 15], temperature=0.5, top_k=3, seed=9)
+    b = make_seq(scheduler, [20, 21, 22], top_p=0.8, min_p=0.1)
+    desc = BatchBuilder(scheduler.config).build(scheduler.schedule())
+    assert (a.block_table, b.block_table) == ([0, 1], [2])
+    assert desc.shape == ("prefill", 16, 4, 4, 2)
+    # a: 6 tokens in 2 tiles (2 padding rows first); b: 3 tokens in 1 tile; 1 padding tile.
+    assert desc.token_ids.tolist() == [0, 0, 10, 11, 12, 13, 14, 15, 0, 20, 21, 22, 0, 0, 0, 0]
+    assert desc.positions.tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 0, 0, 0, 0]
+    assert desc.slot_mapping.tolist() == [-1, -1, 0, 1, 2, 3, 4, 5, -1, 8, 9, 10] + [-1] * 4
+    assert desc.block_tables.tolist() == [[0, 1], [0, 1], [2, 0], [0, 0]]
+    assert desc.context_lens.tolist() == [2, 6, 3, 0]
+    assert desc.sample_indices.tolist() == [7, 11, 0, 0]
+    assert desc.query_starts.tolist() == [2, 9, 0, 0]
+    assert desc.query_lens.tolist() == [6, 3, 0, 0]
+    assert desc.seq_lens.tolist() == [6, 3, 0, 0]
+    assert desc.temperature.tolist() == [0.5, 1.0, 1.0, 1.0]
+    assert desc.top_k.tolist() == [3, 0, 0, 0]
+    assert desc.top_p.tolist() == pytest.approx([1.0, 0.8, 1.0, 1.0])
+    assert desc.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0])
+    assert desc.seeds.tolist() == [9, 0, 0, 0] and desc.sample_steps.tolist() == [0, 0, 0, 0]
+    assert desc.seqs == [a, b] and desc.appends == [True, True]
+    assert (desc.num_seqs, desc.num_tokens) == (2, 9)
+    assert set(desc.model_inputs()) == {
+        "token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "sample_indices"
+    }  # fmt: skip
+
+
+def test_prefill_chunk_after_a_prefix_hit_starts_mid_sequence():
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    make_seq(scheduler, 12, max_tokens=1)
+    harness.run()
+    seq = make_seq(scheduler, [*range(100, 110)], max_tokens=1)  # 8 cached, 2 to compute
+    desc = harness.builder.build(scheduler.schedule())
+    assert seq.block_table == [0, 1, 3]
+    assert desc.shape == ("prefill", 4, 1, 1, 4)
+    assert desc.positions.tolist() == [0, 0, 8, 9]
+    assert desc.token_ids.tolist() == [0, 0, 108, 109]
+    assert desc.slot_mapping.tolist() == [-1, -1, 12, 13]  # block 3, offsets 0 and 1
+    assert desc.context_lens.tolist() == [10] and desc.sample_indices.tolist() == [3]
+    assert desc.block_tables.tolist() == [[0, 1, 3, 0]]
+
+
+def test_decode_rows_slots_and_sampling_arrays():
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    seqs = [
+        make_seq(scheduler, 3, max_tokens=9, temperature=0.0),
+        make_seq(scheduler, 5, max_tokens=9, seed=2**40 + 5),
+        make_seq(scheduler, [50, 51, 52, 53], max_tokens=9, seed=2**41 + 5),
+    ]
+    harness.step()  # one prefill step for all three: 4 + 8 + 4 padded tokens
+    harness.step()  # a decode step: the third sequence takes block 4
+    desc = harness.builder.build(scheduler.schedule())  # the first takes block 5
+    assert [s.block_table for s in seqs] == [[0, 5], [1, 2], [3, 4]]
+    assert not desc.is_prefill and desc.shape == ("decode", 4, 4, 4, 2)
+    assert desc.positions.tolist() == [4, 6, 5, 0]  # each sequence's last token
+    assert desc.token_ids.tolist() == [s.output_token_ids[-1] for s in seqs] + [0]
+    assert desc.slot_mapping.tolist() == [5 * 4 + 0, 2 * 4 + 2, 4 * 4 + 1, -1]
+    assert desc.context_lens.tolist() == [5, 7, 6, 0]
+    assert desc.sample_indices.tolist() == [0, 1, 2, 0]
+    assert desc.block_tables.tolist() == [[0, 5], [1, 2], [3, 4], [0, 0]]
+    assert desc.temperature.tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert desc.sample_steps.tolist() == [2, 2, 2, 0]
+    assert desc.query_starts.tolist() == [0, 1, 2, 0] and desc.query_lens.tolist() == [1, 1, 1, 0]
+    assert desc.seq_lens.tolist() == [5, 7, 6, 0]
+    # Seeds fold to 32 bits; seeds that differ only above bit 32 stay different.
+    assert desc.seeds.dtype == np.uint32 and len(set(desc.seeds[:3].tolist())) == 3
+    assert_descriptor_contract(desc, scheduler.config)
+
+
+def test_seeds_below_2_to_32_are_kept_and_unseeded_use_the_derived_seed():
+    scheduler = make_scheduler()
+    make_seq(scheduler, 2, seed=123)
+    scheduler.add([1, 2], SamplingParams(_derived_seed=77))
+    desc = BatchBuilder(scheduler.config).build(scheduler.schedule())
+    assert desc.seeds[:2].tolist() == [123, 77]
+
+
+def test_large_steps_have_the_largest_shapes():
+    config = make_config(
+        num_blocks=2048, block_size=256, max_num_seqs=256, max_num_batched_tokens=16384,
+        max_model_len=32768, prefill_tile=128,
+    )  # fmt: skip
+    scheduler = make_scheduler(**config.__dict__)
+    make_seq(scheduler, 16384, max_tokens=1)
+    desc = BatchBuilder(config).build(scheduler.schedule())
+    assert desc.shape == ("prefill", 16384, 128, 128, 64)
+    assert desc.slot_mapping.tolist() == list(range(16384))
+    assert desc.context_lens.tolist() == list(range(128, 16385, 128))

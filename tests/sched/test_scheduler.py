@@ -1,0 +1,305 @@
+"""Scheduler scenarios with exact block ids, ref counts, hashes and chunk sizes.
+
+Unless a test says otherwise: block size 4, prefill tile 4, a 16-token prefill budget, 16 blocks,
+max_model_len 64, ignore_eos. `Harness.step` checks the descriptor contract, the fake device's
+KV identities and `check_integrity()` at every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import Harness, make_scheduler, make_seq
+
+from jaxllm.cache import hash_block
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched import SequenceStatus
+
+
+def refs(scheduler, count: int) -> list[int]:
+    return [scheduler.block_pool.ref_count(b) for b in range(count)]
+
+
+def test_shared_prefix_shares_blocks_and_ref_counts():
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    pool = scheduler.block_pool
+    a = make_seq(scheduler, 10, max_tokens=4)  # tokens 100..109
+    harness.step()
+    assert a.block_table == [0, 1, 2] and a.num_computed_tokens == 10
+    assert pool.block_hash(0) == hash_block(None, [100, 101, 102, 103])
+    assert pool.block_hash(1) == hash_block(pool.block_hash(0), [104, 105, 106, 107])
+    assert pool.block_hash(2) is None  # only 2 of its 4 tokens are computed
+
+    b = make_seq(scheduler, [*range(100, 108), 1, 2], max_tokens=4)
+    desc, _ = harness.step()
+    assert desc.is_prefill and desc.seqs == [b]  # a waits: a step is all prefill
+    assert b.block_table == [0, 1, 3]
+    assert b.num_cached_tokens == 8 and desc.batch.num_new_tokens == [2]
+    assert refs(scheduler, 5) == [2, 2, 1, 1, 0]
+
+    harness.run()
+    assert [a.finish_reason, b.finish_reason] == ["length", "length"]
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 4
+    stats = scheduler.stats()
+    assert (stats.num_queried_tokens, stats.num_hit_tokens) == (20, 8)
+    assert stats.hit_rate == pytest.approx(0.4)
+    # Freed last-to-first, a before b: a's 4th block (4) and b's (5) never filled.
+    assert list(pool.policy._evictable) == [2, 3, 1, 0]
+    assert (stats.num_used_blocks, stats.num_cached_free_blocks, stats.num_empty_blocks) == (
+        0,
+        4,
+        12,
+    )
+
+
+def test_full_prefix_hit_recomputes_the_last_block_and_dedups_it():
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    pool = scheduler.block_pool
+    a = make_seq(scheduler, 12, max_tokens=1)
+    harness.run()
+    assert a.finish_reason == "length"
+    assert [pool.block_hash(b) is not None for b in range(4)] == [True, True, True, False]
+    assert scheduler.stats().num_cached_free_blocks == 3
+
+    b = make_seq(scheduler, 12, max_tokens=2)
+    desc, _ = harness.step()
+    # Every block of the prompt is cached, but the last one is recomputed (into a fresh block 3)
+    # so that the step has a token to sample; then the copy is swapped for the cached block 2.
+    assert b.num_cached_tokens == 8 and desc.batch.num_new_tokens == [4]
+    assert list(desc.block_tables[0]) == [0, 1, 3, 0]
+    assert b.block_table == [0, 1, 2]
+    assert refs(scheduler, 4) == [1, 1, 1, 0]
+
+    c = make_seq(scheduler, 10, max_tokens=1)  # a prefix of the cached prompt, not block-aligned
+    desc, finished = harness.step()
+    assert desc.seqs == [c] and finished == [c]
+    assert c.num_cached_tokens == 8 and desc.batch.num_new_tokens == [2]
+    assert list(desc.block_tables[0, :3]) == [0, 1, 3]
+    assert refs(scheduler, 4) == [1, 1, 1, 0]
+    harness.run()
+    assert b.num_output_tokens == 2
+
+
+def test_freed_blocks_stay_cached_and_are_reused():
+    scheduler = make_scheduler(num_blocks=4)
+    harness = Harness(scheduler)
+    pool = scheduler.block_pool
+    make_seq(scheduler, 9, max_tokens=1)
+    harness.run()
+    hashes = [pool.block_hash(0), pool.block_hash(1)]
+    assert None not in hashes and pool.block_hash(2) is None
+    stats = scheduler.stats()
+    assert (stats.num_cached_free_blocks, stats.num_empty_blocks) == (2, 2)
+
+    again = make_seq(scheduler, 9, max_tokens=2)
+    desc, _ = harness.step()
+    assert again.block_table == [0, 1, 2] and again.num_cached_tokens == 8
+    assert list(desc.block_tables[0]) == [0, 1, 2, 0]
+    assert refs(scheduler, 4) == [1, 1, 1, 0]
+    assert [pool.block_hash(0), pool.block_hash(1)] == hashes
+    assert scheduler.stats().num_evictions == 0
+
+
+def cached_abc(policy: str):
+    """Caches one block for each of a, b, c (block ids 0, 1, 2); a gets one hit in between.
+
+    Free order afterwards: b, a, c. Cache order: a, b, c. Hits: a 1, b 0, c 0. Blocks 3-5 empty.
+    """
+    scheduler = make_scheduler(policy, num_blocks=6)
+    harness = Harness(scheduler)
+    prompts = {"a": [10, 11, 12, 13], "b": [20, 21, 22, 23], "c": [30, 31, 32, 33]}
+    for name in "abhc":  # 5 tokens: the first block is cached, the second (1 token) is not
+        seq = make_seq(scheduler, [*prompts[name.replace("h", "a")], 1 + (name == "h")], 1)
+        harness.run()
+        assert seq.num_cached_tokens == (4 if name == "h" else 0)
+    hashes = {name: hash_block(None, prompt) for name, prompt in prompts.items()}
+    pool = scheduler.block_pool
+    assert {name: pool.cached_block(h) for name, h in hashes.items()} == {"a": 0, "b": 1, "c": 2}
+    stats = scheduler.stats()
+    assert (stats.num_cached_free_blocks, stats.num_empty_blocks) == (3, 3)
+    return scheduler, harness, hashes
+
+
+@pytest.mark.parametrize(
+    ("policy", "eviction_order"),
+    [("lru", "bac"), ("mru", "cab"), ("fifo", "abc"), ("lfu", "bca")],
+)
+def test_eviction_order_under_pressure(policy, eviction_order):
+    for num_evicted in (1, 2, 3):
+        scheduler, harness, hashes = cached_abc(policy)
+        pool = scheduler.block_pool
+        # Needs 3 + num_evicted blocks at admission: the 3 empty ones first, then evictions.
+        big = make_seq(scheduler, [300 + i for i in range(4 * (3 + num_evicted) - 1)], 1)
+        batch = scheduler.schedule()
+        assert batch.seqs == [big]
+        gone = {name for name, h in hashes.items() if pool.cached_block(h) is None}
+        assert gone == set(eviction_order[:num_evicted])
+        assert scheduler.stats().num_evictions == num_evicted
+        assert big.block_table[:3] == [3, 4, 5]
+        assert big.block_table[3:] == ["abc".index(n) for n in eviction_order[:num_evicted]]
+        scheduler.check_integrity()
+        harness.run()
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8, num_blocks=16)
+    harness = Harness(scheduler)
+    long = make_seq(scheduler, 21, max_tokens=2)
+    short = make_seq(scheduler, 3, max_tokens=1)
+    chunks = []
+    while long.num_output_tokens == 0:
+        desc, _ = harness.step()
+        assert desc.shape.num_tokens <= 8
+        chunks.append(list(zip(desc.seqs, desc.batch.num_new_tokens, desc.appends, strict=True)))
+    # The whole prompt's blocks are taken at admission; chunks are whole tiles until the last,
+    # whose 5 tokens pad to 8 and fill the budget, so short waits one more step.
+    assert chunks == [[(long, 8, False)], [(long, 8, False)], [(long, 5, True)]]
+    assert long.block_table == [0, 1, 2, 3, 4, 5]
+    desc, finished = harness.step()  # prefill first: short is admitted before long decodes
+    assert desc.seqs == [short] and finished == [short]
+    harness.run()
+    assert long.num_output_tokens == 2
+
+
+def test_prefill_budget_counts_tile_padding():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    harness = Harness(scheduler)
+    first = make_seq(scheduler, 5)  # pads to 8 tokens: the whole budget
+    second = make_seq(scheduler, 1)
+    desc, _ = harness.step()
+    assert desc.seqs == [first] and desc.shape.num_tokens == 8
+    desc, _ = harness.step()
+    assert desc.seqs == [second]
+    assert first.status is SequenceStatus.RUNNING
+
+
+def test_preemption_frees_the_newest_and_resumes_from_the_prefix_cache():
+    scheduler = make_scheduler(num_blocks=5, max_model_len=32)
+    harness = Harness(scheduler)
+    pool = scheduler.block_pool
+    old = make_seq(scheduler, 7, max_tokens=10)  # 16 KV tokens at most: 4 blocks
+    new = make_seq(scheduler, [*range(50, 57)], max_tokens=10)
+    harness.step()
+    assert (old.block_table, new.block_table) == ([0, 1], [2, 3])
+    harness.step()  # decode: both at 8 tokens, still in 2 blocks, now both full and cached
+    desc, _ = harness.step()  # both need a 3rd block; one is left: new is preempted
+    assert desc.seqs == [old] and old.block_table == [0, 1, 4]
+    assert new.status is SequenceStatus.WAITING and list(scheduler.waiting) == [new]
+    assert new.num_preemptions == 1 and scheduler.num_preemptions == 1
+    assert new.block_table == [] and new.num_output_tokens == 2  # keeps its output
+    # Its two full blocks stay cached (freed last to first: 3, then 2).
+    assert list(pool.policy._evictable) == [3, 2]
+    outputs_before = list(new.output_token_ids)
+
+    while new.status is SequenceStatus.WAITING:
+        desc, _ = harness.step()
+    # old's 4th block evicted block 3 (LRU); when old finished, all its blocks were full and
+    # stayed cached, so new resumes (prompt + 2 generated tokens = 9) with block 2 from the
+    # cache and evicts old's least recently freed blocks 3 and 4 for the rest.
+    assert scheduler.stats().num_evictions == 3 and old.is_finished
+    assert desc.seqs == [new] and desc.batch.start_positions == [4]
+    assert desc.batch.num_new_tokens == [5] and new.block_table == [2, 3, 4]
+    harness.run()
+    assert old.num_output_tokens == new.num_output_tokens == 10
+    assert new.output_token_ids[:2] == outputs_before
+    assert new.num_cached_tokens == 0 and scheduler.stats().num_hit_tokens == 4
+    assert [s.finish_reason for s in (old, new)] == ["length", "length"]
+
+
+def test_a_request_that_can_never_fit_is_refused_at_add():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_seq(scheduler, 64)
+    with pytest.raises(ValueError, match="whole cache has 4"):
+        make_seq(scheduler, 10, max_tokens=8)  # 17 KV tokens: 5 blocks
+    with pytest.raises(ValueError, match="non-empty"):
+        scheduler.add([], SamplingParams())
+    fits = make_seq(scheduler, 10, max_tokens=7)  # 16 KV tokens: exactly the cache
+    assert list(scheduler.waiting) == [fits]  # the refused requests never entered
+    Harness(scheduler).run()
+    assert fits.num_output_tokens == 7
+
+
+def test_max_model_len_caps_max_tokens():
+    scheduler = make_scheduler(max_model_len=12)
+    seq = make_seq(scheduler, 9, max_tokens=100)
+    assert seq.max_tokens == 3
+    Harness(scheduler).run()
+    assert (seq.num_output_tokens, seq.finish_reason, seq.num_tokens) == (3, "length", 12)
+
+
+def test_stop_conditions():
+    scheduler = make_scheduler(eos_token_ids=(7,))
+    runs = {
+        "eos": make_seq(scheduler, 3, max_tokens=5, ignore_eos=False),
+        "ignore_eos": make_seq(scheduler, 3, max_tokens=5, ignore_eos=True),
+        "stop_id": make_seq(scheduler, 3, max_tokens=5, stop_token_ids=[7]),
+        "min_tokens": make_seq(scheduler, 3, max_tokens=5, ignore_eos=False, min_tokens=3),
+    }
+    batch = scheduler.schedule()
+    # The fake sampler is replaced: every row samples 7 (eos and the stop id).
+    assert scheduler.update(batch, [7] * 4) == [runs["eos"], runs["stop_id"]]
+    assert runs["eos"].finish_reason == runs["stop_id"].finish_reason == "stop"
+    assert runs["eos"].output_token_ids == [7]
+    assert scheduler.update(scheduler.schedule(), [7, 7]) == []
+    assert scheduler.update(scheduler.schedule(), [7, 7]) == [runs["min_tokens"]]
+    assert runs["min_tokens"].output_token_ids == [7, 7, 7]
+    scheduler.check_integrity()
+    while scheduler.has_unfinished():
+        scheduler.update(scheduler.schedule(), [7])
+    assert runs["ignore_eos"].finish_reason == "length"
+    assert runs["ignore_eos"].num_output_tokens == 5
+
+
+def test_finish_and_abort():
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    waiting = make_seq(scheduler, 20)
+    running = make_seq(scheduler, 3)
+    early = make_seq(scheduler, 3)
+    assert scheduler.abort(waiting.seq_id) is waiting and waiting.finish_reason == "abort"
+    assert scheduler.abort(waiting.seq_id) is None
+    harness.step()
+    scheduler.finish(early, "stop")  # the engine saw a stop string
+    assert early.finish_reason == "stop" and early.block_table == []
+    scheduler.check_integrity()
+
+    def abort_running(desc):
+        assert running in desc.seqs
+        scheduler.abort(running.seq_id)
+
+    _, finished = harness.step(before_update=abort_running)
+    assert finished == [] and running.finish_reason == "abort"
+    assert running.num_output_tokens == 1  # the aborted step's token was dropped
+    assert not scheduler.has_unfinished() and scheduler.stats().num_used_blocks == 0
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, prefill_tile=4)
+    harness = Harness(scheduler)
+    seqs = [make_seq(scheduler, 3, max_tokens=2) for _ in range(3)]
+    desc, _ = harness.step()
+    assert desc.seqs == seqs[:2] and list(scheduler.waiting) == [seqs[2]]
+    desc, _ = harness.step()
+    assert not desc.is_prefill and desc.seqs == seqs[:2]
+    harness.run()
+
+
+def test_prefix_caching_off_never_hashes():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    harness = Harness(scheduler)
+    make_seq(scheduler, 9, max_tokens=1)
+    harness.run()
+    again = make_seq(scheduler, 9, max_tokens=1)
+    harness.run()
+    pool = scheduler.block_pool
+    assert again.num_cached_tokens == 0 and again.block_hashes == []
+    assert all(pool.block_hash(b) is None for b in range(pool.num_blocks))
+    assert scheduler.stats().num_cached_free_blocks == 0
+
+
+def test_sequence_ids_come_from_each_scheduler():
+    first, second = make_scheduler(), make_scheduler()
+    assert [make_seq(first, 2).seq_id, make_seq(first, 2).seq_id] == [0, 1]
+    assert make_seq(second, 2).seq_id == 0
