@@ -10,7 +10,7 @@ The random draw is Gumbel-max over the whole vocabulary with noise from a key de
 (seed, step) of the row alone: a seeded request's tokens do not depend on the rest of the batch,
 its row index or the batch size.
 
-Legend: S sampled rows, V vocab, C candidates (`NUM_CANDIDATES`).
+Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from jaxllm.sampling_params import SamplingParams
 
 # Rows whose temperature is below this are greedy (vLLM's epsilon).
 GREEDY_TEMPERATURE = 1e-5
-# Top-k/top-p thresholds are first looked for among the C largest logits of each row (one
-# `lax.top_k`); only rows whose kept set does not end strictly inside the candidates need a full
-# sort of the row. Qwen3's recommended settings (top_k=20, top_p=0.8/0.95) fit on trained models.
-NUM_CANDIDATES = 256
+# Top-k/top-p first look among candidate logits: the `NUM_CANDIDATE_BLOCKS` blocks (of
+# `CANDIDATE_BLOCK_SIZE` consecutive tokens) with the largest maxima, sorted, instead of sorting
+# all V logits of every row (on an H200, S=512: about 1 ms instead of 5). Every logit above the
+# smallest of those block maxima is a candidate, so a kept set that ends above it is exact; this
+# holds for top_k < 256 and, on trained models, for the usual top_p. Other rows sort their row.
+CANDIDATE_BLOCK_SIZE = 32
+NUM_CANDIDATE_BLOCKS = 256
 
 
 @struct.dataclass
@@ -92,12 +95,20 @@ def fold_seed(seed: int) -> np.uint32:
     return np.uint32((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """Samples one token per row; jittable.
+def sample(
+    logits: jax.Array,
+    inputs: SamplingInputs,
+    candidate_block_size: int = CANDIDATE_BLOCK_SIZE,
+    num_candidate_blocks: int = NUM_CANDIDATE_BLOCKS,
+) -> jax.Array:
+    """Samples one token per row; jittable (the last two arguments are static).
 
     Args:
         logits: [S, V] float32.
         inputs: the rows' settings, each field [S].
+        candidate_block_size: tokens per block when looking for top-k/top-p candidates.
+        num_candidate_blocks: blocks kept as candidates (tests shrink these to reach the
+            full-sort path; results never depend on them).
 
     Returns:
         [S] int32 token ids.
@@ -120,7 +131,16 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
         ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
         threshold = jax.lax.cond(
             jnp.any(filtered),
-            lambda: _top_k_top_p_threshold(scaled, ratio, row_max, top_k, top_p, filtered),
+            lambda: _top_k_top_p_threshold(
+                scaled,
+                ratio,
+                row_max,
+                top_k,
+                top_p,
+                filtered,
+                candidate_block_size,
+                num_candidate_blocks,
+            ),
             lambda: jnp.full_like(row_max, -jnp.inf),
         )
         keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
@@ -146,23 +166,22 @@ def _top_k_top_p_threshold(
     top_k: jax.Array,
     top_p: jax.Array,
     filtered: jax.Array,
+    block_size: int,
+    num_blocks: int,
 ) -> jax.Array:
     """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing).
 
-    Each row's threshold comes from its C largest logits when its kept set ends strictly inside
-    them; the other rows (if any) sort their whole row. The choice is per row, so a row's result
-    does not depend on the other rows.
+    Each row's threshold comes from its candidates when its kept set ends strictly above the
+    candidates' bound; the other rows (if any) sort their whole row. The choice is per row, so a
+    row's result does not depend on the other rows.
     """
-    vocab_size = scaled.shape[-1]
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
-    num_candidates = min(NUM_CANDIDATES, vocab_size)
-    candidates, _ = jax.lax.top_k(scaled, num_candidates)  # [S, C] descending
+    candidates, bound = _candidates(scaled, block_size, num_blocks)
     threshold, k_threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p)
-    # NOTE: thresholds above the smallest candidate mean that every token kept is a candidate
-    # and the top-k mass (which top-p divides by) is complete: the candidates gave the answer.
-    smallest = candidates[:, -1]
-    exact = (threshold > smallest) & ((top_k == 0) | (k_threshold > smallest))
-    exact = ~filtered | exact | (num_candidates == vocab_size)
+    # NOTE: thresholds above the bound mean that every token kept is a candidate and the top-k
+    # mass (which top-p divides by) is complete: the candidates gave the exact answer.
+    exact = (threshold > bound) & ((top_k == 0) | (k_threshold > bound))
+    exact = ~filtered | exact
 
     def sort_rows() -> jax.Array:
         descending = jnp.sort(scaled, axis=-1, descending=True)  # [S, V]
@@ -171,6 +190,27 @@ def _top_k_top_p_threshold(
 
     threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, sort_rows)
     return jnp.where(filtered, threshold, -jnp.inf)
+
+
+def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The logits of each row's blocks with the largest maxima, sorted, and a bound below which
+    logits may be missing.
+
+    Returns:
+        ([S, W] candidate logits, descending, [S] bound: every logit above it is a candidate).
+    """
+    num_rows, vocab_size = scaled.shape
+    total_blocks = -(-vocab_size // block_size)
+    if num_blocks >= total_blocks:
+        descending = jnp.sort(scaled, axis=-1, descending=True)
+        return descending, jnp.full((num_rows,), -jnp.inf, scaled.dtype)
+    padding = total_blocks * block_size - vocab_size
+    blocks = jnp.pad(scaled, ((0, 0), (0, padding)), constant_values=-jnp.inf)
+    blocks = blocks.reshape(num_rows, total_blocks, block_size)
+    block_max, block_ids = jax.lax.top_k(jnp.max(blocks, axis=-1), num_blocks)  # [S, B]
+    candidates = jnp.take_along_axis(blocks, block_ids[:, :, None], axis=1)  # [S, B, block]
+    descending = jnp.sort(candidates.reshape(num_rows, -1), axis=-1, descending=True)  # [S, W]
+    return descending, block_max[:, -1]
 
 
 def _threshold_from_sorted(

@@ -181,8 +181,8 @@ def test_steps_give_different_streams():
     assert np.mean(tokens == other_seed) < 0.2
 
 
-def test_candidate_and_full_sort_paths_agree(monkeypatch):
-    """Rows that fit the top-k candidates and rows that need a full sort give the same tokens."""
+def test_candidate_and_full_sort_paths_agree():
+    """Rows that fit the top-k/top-p candidates and rows that need a full sort agree exactly."""
     rng = np.random.default_rng(4)
     vocab_size = 1000
     peaked = rng.normal(size=vocab_size).astype(np.float32) * 4.0
@@ -197,25 +197,49 @@ def test_candidate_and_full_sort_paths_agree(monkeypatch):
     params = [SamplingParams(seed=seed, **setting) for _, setting, seed in rows]
     logits = jnp.asarray(np.stack([logit_row for logit_row, _, _ in rows]))
     inputs = SamplingInputs.from_params(params, [3] * len(rows))
-    results = []
-    for num_candidates in (vocab_size, 256, 8):
-        monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", num_candidates)
-        results.append(np.asarray(jax.jit(sample)(logits, inputs)))
+    # With 64 blocks of 4 tokens, every peaked row fits the candidates; flat top_p=0.8 does not.
+    fits = uses_candidates(logits, inputs, 4, 64)
+    half = len(rows) // 2
+    assert fits[:half].all() and not fits[half:].all()
+    filtered = (inputs.top_k > 0) | (inputs.top_p < 1)
+    assert not uses_candidates(logits, inputs, 4, 2)[filtered].any()
+    sample_with = jax.jit(sample, static_argnums=(2, 3))
+    # Whole rows as candidates; a mix of both paths; the full sort for every row.
+    results = [
+        np.asarray(sample_with(logits, inputs, block_size, num_blocks))
+        for block_size, num_blocks in [(32, 32), (4, 64), (4, 2)]
+    ]
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
-    # The peaked rows alone (all fit the candidates) give the same tokens as in the mixed batch.
-    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 256)
-    half = len(rows) // 2
-    alone = jax.jit(sample)(logits[:half], jax.tree.map(lambda a: a[:half], inputs))
+    # The peaked rows alone (the full sort is skipped) give the same tokens as in the mix.
+    alone = sample_with(logits[:half], jax.tree.map(lambda a: a[:half], inputs), 4, 64)
     np.testing.assert_array_equal(alone, results[0][:half])
 
 
-def test_top_p_over_many_tokens_needs_the_full_sort():
+def uses_candidates(logits, inputs, block_size, num_blocks):
+    """Which rows the candidate path answers exactly (the others need the full sort)."""
+    scaled = logits / inputs.temperature[:, None]
+    row_max = scaled.max(-1)
+    full_mass = jnp.exp(scaled - row_max[:, None]).sum(-1)
+    candidates, bound = sampler_module._candidates(scaled, block_size, num_blocks)
+    threshold, k_threshold = sampler_module._threshold_from_sorted(
+        candidates, row_max, full_mass, jnp.asarray(inputs.top_k), jnp.asarray(inputs.top_p)
+    )
+    filtered = (inputs.top_k > 0) | (inputs.top_p < 1)
+    fits = (threshold > bound) & ((inputs.top_k == 0) | (k_threshold > bound))
+    return np.asarray(fits) | ~filtered
+
+
+def test_top_p_over_more_tokens_than_candidates():
     vocab_size = 1000
     logits = np.random.default_rng(5).normal(size=vocab_size).astype(np.float32) * 0.5
     expected = exact_distribution(logits, top_p=0.5)
-    assert np.count_nonzero(expected) > sampler_module.NUM_CANDIDATES
-    assert_matches(draw(logits, num_draws=2048, top_p=0.5), expected)
+    assert np.count_nonzero(expected) > 8 * 16  # more than the candidates: the full-sort path
+    params = [SamplingParams(seed=seed, top_p=0.5) for seed in range(2048)]
+    batch = jnp.asarray(np.broadcast_to(logits, (2048, vocab_size)))
+    inputs = SamplingInputs.from_params(params, [0] * 2048)
+    tokens = jax.jit(sample, static_argnums=(2, 3))(batch, inputs, 8, 16)
+    assert_matches(np.asarray(tokens), expected)
 
 
 def test_from_params_pads_with_greedy_rows():
