@@ -76,5 +76,5 @@ def hf_model(request, tmp_path_factory) -> HFModel:
         model.save_pretrained(path, max_shard_size=shard)
     else:
         model.save_pretrained(path)
-    config, params = load_params(path)
+    config, params = load_params(path, dtype="float32")
     return HFModel(request.param, path, model, config, params)
