@@ -81,7 +81,8 @@ def load_params(
         return config, init_params(config, seed)
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
-        return load_orbax_checkpoint(path, dtype)
+        saved = Qwen3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        return load_orbax_checkpoint(path, dtype or default_dtype(saved))
     if (path / "config.json").exists():
         return load_hf_checkpoint(path, dtype)
     raise CheckpointError(

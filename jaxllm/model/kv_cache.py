@@ -25,14 +25,16 @@ def kv_cache_shape(config: Qwen3Config, num_blocks: int, block_size: int) -> tup
     return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
-def kv_cache_bytes_per_block(config: Qwen3Config, block_size: int, dtype=None) -> int:
+def kv_cache_bytes_per_block(
+    config: Qwen3Config, block_size: int, dtype: jnp.dtype | str | None = None
+) -> int:
     """Device bytes one block takes across all layers (to size the pool from free memory)."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
 
 
 def allocate_kv_cache(
-    config: Qwen3Config, num_blocks: int, block_size: int, dtype=None
+    config: Qwen3Config, num_blocks: int, block_size: int, dtype: jnp.dtype | str | None = None
 ) -> jax.Array:
     """A zeroed cache `[L, 2, NB, BS, K, H]` on the default device (dtype: the config's)."""
     shape = kv_cache_shape(config, num_blocks, block_size)

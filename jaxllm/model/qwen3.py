@@ -88,7 +88,7 @@ def forward(
     return Qwen3ForCausalLM(config).apply({"params": params}, kv_cache, inputs)
 
 
-def dummy_inputs(block_size: int = 8) -> ModelInputs:
+def dummy_inputs() -> ModelInputs:
     """The smallest valid inputs: one token at position 0 in block 0."""
     one = jnp.zeros((1,), jnp.int32)
     return ModelInputs(
@@ -107,7 +107,7 @@ def _init(config: Qwen3Config, key: jax.Array) -> Params:
     kv_cache = jnp.zeros(
         (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim)
     )
-    variables = Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs(block_size))
+    variables = Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs())
     return variables["params"]
 
 

@@ -27,7 +27,7 @@ def test_orbax_round_trip_is_bit_identical(hf_model: HFModel, tmp_path, dtype):
     params = jax.tree.map(lambda p: p.astype(dtype), hf_model.params)
     save_params(tmp_path / "ckpt", config, params)
 
-    loaded_config, loaded = load_params(tmp_path / "ckpt")
+    loaded_config, loaded = load_params(tmp_path / "ckpt", dtype=dtype)
 
     assert loaded_config == config
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
