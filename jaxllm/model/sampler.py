@@ -27,10 +27,12 @@ from jaxllm.sampling_params import SamplingParams
 # Rows whose temperature is below this are greedy (vLLM's epsilon).
 GREEDY_TEMPERATURE = 1e-5
 # Top-k/top-p first look among candidate logits: the `NUM_CANDIDATE_BLOCKS` blocks (of
-# `CANDIDATE_BLOCK_SIZE` consecutive tokens) with the largest maxima, sorted, instead of sorting
-# all V logits of every row (on an H200, S=512: about 1 ms instead of 5). Every logit above the
+# `CANDIDATE_BLOCK_SIZE` consecutive tokens) with the largest maxima, sorted. Every logit above the
 # smallest of those block maxima is a candidate, so a kept set that ends above it is exact; this
-# holds for top_k < 256 and, on trained models, for the usual top_p. Other rows sort their row.
+# holds for top_k < 256 and, on trained models, for the usual top_p. Only other rows sort their
+# whole row. On an H200 (jax 0.11, S=512, V=151,936) a step with top_k=20, top_p=0.95 takes
+# 2.1 ms, against 3.9 ms with `lax.top_k` (which costs a full sort there, 5.3 ms) and 7.8 ms for
+# rows that need the full sort; temperature alone 1.3 ms, all greedy 0.24 ms.
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 
@@ -121,7 +123,7 @@ def sample(
         temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
         scaled = logits / temperature[:, None]  # [S, V]
         vocab_size = scaled.shape[-1]
-        # NOTE: greedy rows take no filter work: their filters are switched off here.
+        # NOTE: greedy rows switch their filters off, so they never cost a sort.
         top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
         top_k = jnp.maximum(top_k, 0)
         top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
@@ -193,8 +195,7 @@ def _top_k_top_p_threshold(
 
 
 def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[jax.Array, jax.Array]:
-    """The logits of each row's blocks with the largest maxima, sorted, and a bound below which
-    logits may be missing.
+    """Each row's candidate logits (its blocks with the largest maxima), sorted, and their bound.
 
     Returns:
         ([S, W] candidate logits, descending, [S] bound: every logit above it is a candidate).
