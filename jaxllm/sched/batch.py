@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -192,7 +191,7 @@ class BatchBuilder:
         num = len(seqs)
         size = self.block_size
         last_positions = np.array(batch.start_positions, dtype=np.int32)  # [n]
-        tables = _block_table_rows(seqs, (len(seq.block_table) for seq in seqs))
+        tables = _block_table_rows([seq.block_table for seq in seqs])
         shape = self.ladder.decode_shape(num, tables.shape[1])
         rows = np.arange(num)
         token_ids = _padded([seq.last_token_id for seq in seqs], shape.num_tokens)
@@ -219,15 +218,20 @@ class BatchBuilder:
         num_tiles = -(-counts // tile)  # [n]
         padding = num_tiles * tile - counts  # [n] front padding of each chunk
         first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
-        tables = _block_table_rows(seqs, (-(-ends // size)).tolist())
+        needed = (-(-ends // size)).tolist()  # blocks up to each chunk's end
+        tables = _block_table_rows(
+            [seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)]
+        )
         shape = self.ladder.prefill_shape(int(num_tiles.sum()) * tile, tables.shape[1])
 
         # Real tokens: chunk i fills rows first_rows[i] + padding[i] ... + counts[i] - 1.
         total = int(counts.sum())
-        seq_of_token = np.repeat(np.arange(num), counts)  # [N]
-        offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # [N]
-        rows = np.repeat(first_rows + padding, counts) + offsets  # [N]
-        token_positions = np.repeat(starts, counts) + offsets  # [N]
+        chunk_firsts = np.cumsum(counts) - counts  # [n] offsets in the concatenated chunks
+        base = np.arange(total, dtype=np.int32)  # [N]
+        token_positions = base + np.repeat((starts - chunk_firsts).astype(np.int32), counts)
+        rows = base + np.repeat((first_rows + padding - chunk_firsts).astype(np.int32), counts)
+        block_indices, offsets = np.divmod(token_positions, size)  # [N], [N]
+        block_indices += np.repeat(np.arange(0, num * tables.shape[1], tables.shape[1]), counts)
         chunks = [
             seq.token_ids[start:end]
             for seq, start, end in zip(seqs, batch.start_positions, ends.tolist(), strict=True)
@@ -237,9 +241,7 @@ class BatchBuilder:
         positions = np.zeros(shape.num_tokens, dtype=np.int32)
         positions[rows] = token_positions
         slot_mapping = np.full(shape.num_tokens, -1, dtype=np.int32)
-        slot_mapping[rows] = (
-            tables[seq_of_token, token_positions // size] * size + token_positions % size
-        )
+        slot_mapping[rows] = np.take(tables.ravel(), block_indices) * size + offsets
 
         # Tiles: tile j of chunk i ends at position starts[i] - padding[i] + (j + 1) * tile - 1.
         num_real_tiles = int(num_tiles.sum())
@@ -300,20 +302,13 @@ def _padded(values, length: int, fill: float = 0, dtype: type = np.int32) -> np.
     return out
 
 
-def _block_table_rows(seqs: list[Sequence], num_blocks: Iterable[int]) -> np.ndarray:
-    """[n, max(num_blocks)] the first num_blocks[i] blocks of each sequence's table, 0-padded."""
-    lengths = np.fromiter(num_blocks, dtype=np.int64, count=len(seqs))
+def _block_table_rows(block_tables: list[list[int]]) -> np.ndarray:
+    """[n, max length] the block tables as rows of one int32 array, zero-padded."""
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     total = int(lengths.sum())
-    flat = np.fromiter(
-        itertools.chain.from_iterable(
-            itertools.islice(seq.block_table, k)
-            for seq, k in zip(seqs, lengths.tolist(), strict=True)
-        ),
-        dtype=np.int32,
-        count=total,
-    )
-    rows = np.repeat(np.arange(len(seqs)), lengths)
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
+    rows = np.repeat(np.arange(len(block_tables)), lengths)
     cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    tables = np.zeros((len(seqs), int(lengths.max())), dtype=np.int32)
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
     tables[rows, cols] = flat
     return tables

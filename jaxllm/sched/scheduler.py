@@ -165,6 +165,9 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None and self.running:
             batch = self._schedule_decode()
+        if batch is None and self.waiting:
+            # NOTE: unreachable while `add` refuses what can never fit; fail loudly, never hang.
+            raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
         return batch
 
     def update(
