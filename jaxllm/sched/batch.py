@@ -108,7 +108,8 @@ class BatchDescriptor:
         block_tables [G, W], context_lens [G], sample_indices [S].
     Sampler inputs, one per sampled row (padding rows: temperature 1, top_k 0, top_p 1, min_p 0,
     seed 0, step 0):
-        temperature [S] f32, top_k [S] i32, top_p [S] f32, min_p [S] f32, seeds [S] uint32,
+        temperature [S] f32, top_k [S] i32, top_p [S] f32, min_p [S] f32,
+        seeds [S] uint32 (`params.sampling_seed` folded to 32 bits: low ^ high word),
         sample_steps [S] i32 (output tokens the sequence already has).
     Per-sequence extras for other attention backends (int32, padded with 0):
         query_starts [S] (row of the sequence's first real token), query_lens [S] (its real
