@@ -82,15 +82,37 @@ class Scheduler:
 
     # Requests in and out.
 
+    def validate(
+        self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams
+    ) -> None:
+        """Raises ValueError for a request that could never complete; changes nothing.
+
+        Refused: an empty prompt, ids outside [0, 2**31), a prompt of max_model_len tokens or
+        more, and a request whose prompt plus max_tokens needs more KV blocks than the whole
+        cache.
+        """
+        self._checked(prompt_token_ids, params)
+
     def add(
         self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams | None = None
     ) -> Sequence:
-        """Queues a request; raises ValueError for one that could never complete.
-
-        Refused: an empty prompt, a prompt of max_model_len tokens or more, and a request whose
-        prompt plus max_tokens needs more KV blocks than the whole cache.
-        """
+        """Queues a request (mutates the waiting queue); raises ValueError as `validate` does."""
         params = params or SamplingParams()
+        prompt, max_tokens = self._checked(prompt_token_ids, params)
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self._eos
+        seq = Sequence(
+            next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids
+        )
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+        return seq
+
+    def _checked(
+        self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams
+    ) -> tuple[np.ndarray, int]:
+        """The prompt as an array and the effective max_tokens, or ValueError."""
         cfg = self.config
         prompt = np.asarray(prompt_token_ids)
         if prompt.ndim != 1 or len(prompt) == 0 or not np.issubdtype(prompt.dtype, np.integer):
@@ -112,15 +134,7 @@ class Scheduler:
                 f"{blocks_needed} KV blocks of {cfg.block_size} tokens, but the whole cache has "
                 f"{cfg.num_blocks}; shorten the request or give the cache more memory"
             )
-        stop_ids = frozenset(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self._eos
-        seq = Sequence(
-            next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids
-        )
-        self.waiting.append(seq)
-        self._live[seq.seq_id] = seq
-        return seq
+        return prompt, max_tokens
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finishes `seq` early (the engine found a stop string): frees its blocks.

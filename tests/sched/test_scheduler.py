@@ -215,6 +215,10 @@ def test_a_request_that_can_never_fit_is_refused_at_add():
         make_seq(scheduler, 10, max_tokens=8)  # 17 KV tokens: 5 blocks
     with pytest.raises(ValueError, match="non-empty"):
         scheduler.add([], SamplingParams())
+    with pytest.raises(ValueError, match="whole cache"):
+        scheduler.validate(list(range(10)), SamplingParams(max_tokens=8))
+    scheduler.validate(list(range(10)), SamplingParams(max_tokens=7))
+    assert not scheduler.waiting and scheduler.num_unfinished == 0
     fits = make_seq(scheduler, 10, max_tokens=7)  # 16 KV tokens: exactly the cache
     assert list(scheduler.waiting) == [fits]  # the refused requests never entered
     Harness(scheduler).run()
