@@ -15,7 +15,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"tensor_parallel_size": args.tp, "dtype": args.dtype}
+    kwargs = {"tensor_parallel_size": args.tp}
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_seqs is not None:
@@ -44,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--max-tokens", type=int, default=64)
         sub.add_argument("--seed", type=int, default=None)
 
-    commands.add_parser("bench", help="the throughput benchmark (see scripts/bench.py)", add_help=False)
+    commands.add_parser(
+        "bench", help="the throughput benchmark (see scripts/bench.py)", add_help=False
+    )
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
@@ -54,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
-    from jaxllm.llm import LLM, default_model
+    from jaxllm.engine import default_engine_kwargs
+    from jaxllm.llm import LLM
 
-    llm = LLM(args.model or default_model(), **_engine_kwargs(args))
+    defaults = default_engine_kwargs() if args.model is None else {}
+    llm = LLM(args.model, **(defaults | _engine_kwargs(args)))
     prompts = args.prompts or ["The capital of France is"]
     if args.command == "generate":
         outputs = llm.generate(prompts, _sampling(args))

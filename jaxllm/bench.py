@@ -30,8 +30,15 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     return prompts, max_tokens
 
 
-def physical_bound(config, prompt_lens, output_lens, tp=1, bandwidth=H200_BANDWIDTH,
-                   flops=H200_FLOPS, dtype_bytes=2) -> dict:
+def physical_bound(
+    config,
+    prompt_lens,
+    output_lens,
+    tp=1,
+    bandwidth=H200_BANDWIDTH,
+    flops=H200_FLOPS,
+    dtype_bytes=2,
+) -> dict:
     """The lower bound on the workload's time (the model of shared/perf/bound.py).
 
     Decode steps read the weights once and the KV cache of every running sequence (bandwidth

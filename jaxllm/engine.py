@@ -1,0 +1,322 @@
+"""The engine: the scheduler and the block pool on the host, the model runner on the device.
+
+One `step()` = `Scheduler.schedule()` -> `BatchBuilder.build()` -> `ModelRunner.execute()` ->
+`Scheduler.update()`, then stop strings (which need the tokenizer) are checked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxllm.config import EngineConfig
+from jaxllm.model.attention import attention_backends
+from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
+from jaxllm.model.kv_cache import kv_cache_bytes_per_block
+from jaxllm.model.qwen3 import params_nbytes
+from jaxllm.outputs import RequestMetrics, RequestOutput
+from jaxllm.runner import COMPILATIONS, ModelRunner
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched import BatchBuilder, Scheduler, SchedulerConfig, Sequence
+from jaxllm.tokenizer import IncrementalDetokenizer, decode_tokens, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class _Request:
+    """The engine's record of one request beside the scheduler's `Sequence`."""
+
+    seq: Sequence
+    prompt: str | None
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings
+    stop_text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclass
+class StepStats:
+    """Tokens and seconds of one kind of step, accumulated."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class EngineStats:
+    prefill: StepStats = field(default_factory=StepStats)
+    decode: StepStats = field(default_factory=StepStats)
+
+
+def is_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def configure_compilation_cache(directory: str) -> None:
+    """Turns on JAX's persistent compilation cache in `directory` ("" leaves it off)."""
+    if not directory or jax.config.jax_compilation_cache_dir:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def resolve_model(model: str) -> str:
+    """A local directory or `random:<shape>` for `model`; Hub ids are downloaded if possible."""
+    if model.startswith(RANDOM_PREFIX) or Path(model).is_dir():
+        return model
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+        )
+    except Exception as error:
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory and could not be downloaded from the "
+            f"Hugging Face Hub ({type(error).__name__}: {error}); pass a local path or "
+            "random:<shape>"
+        ) from error
+
+
+def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
+    """The tokenizer's eos plus those of the model's generation_config.json."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        import json
+
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return tuple(sorted(ids))
+
+
+class Engine:
+    """Runs requests to completion, one step at a time.
+
+    Mutates: the scheduler's queues and block pool, the runner's KV cache, its request records.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        configure_compilation_cache(config.compilation_cache_dir)
+        self.config = config
+        model_path = resolve_model(config.model)
+        model_config, params = load_params(model_path, dtype=config.dtype, seed=config.seed)
+        self.model_config = model_config.replace(
+            attention_backend=self._attention_backend(config.attention_backend)
+        )
+        is_random = model_path.startswith(RANDOM_PREFIX)
+        self.tokenizer = load_tokenizer(None if is_random else model_path)
+        # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
+        # embedded default.
+        eos = (
+            (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+            if is_random
+            else eos_token_ids(self.tokenizer, model_path)
+        )
+
+        block_size = config.kvcache_block_size
+        tile = config.prefill_tile or (128 if is_gpu() else 16)
+        budget = max(tile, config.max_num_batched_tokens // tile * tile)
+        num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size)
+        if num_blocks * block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens), less than one request of max_model_len="
+                f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
+                "max_model_len"
+            )
+        self.scheduler_config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=config.max_model_len,
+            prefill_tile=tile,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eos_token_ids=tuple(int(t) for t in eos if t is not None),
+        )
+        self.scheduler = Scheduler(self.scheduler_config, eviction_policy=config.eviction_policy)
+        self.batch_builder = BatchBuilder(self.scheduler_config)
+        self.runner = ModelRunner(
+            self.model_config, params, num_blocks=num_blocks, block_size=block_size
+        )
+        self.compile_seconds = 0.0
+        if config.compile_at_startup:
+            start = time.perf_counter()
+            self.runner.compile(self.batch_builder.ladder.all_shapes())
+            self.compile_seconds = time.perf_counter() - start
+        self.compilations_at_startup = COMPILATIONS.count
+        self.stats = EngineStats()
+        self._requests: dict[int, _Request] = {}
+
+    @staticmethod
+    def _attention_backend(name: str) -> str:
+        if name != "auto":
+            return name
+        if is_gpu() and "flash" in attention_backends():
+            return "flash"
+        return "reference"
+
+    def _fit_num_blocks(self, params, block_size: int) -> int:
+        """KV blocks that fit in `memory_fraction` of the device beside weights and activations."""
+        config = self.config
+        per_block = kv_cache_bytes_per_block(self.model_config, block_size)
+        blocks_per_seq = -(-config.max_model_len // block_size)
+        if not is_gpu():
+            wanted = config.max_num_seqs * blocks_per_seq
+            return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0) * config.memory_fraction
+        # NOTE: activations of the largest step, estimated generously (logits, MLP, attention).
+        tokens = config.max_num_batched_tokens
+        c = self.model_config
+        activations = tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
+        activations += config.max_num_seqs * c.vocab_size * 4 * 4
+        free = limit - params_nbytes(params) - activations - stats.get("bytes_in_use", 0)
+        return max(1, int(free // per_block))
+
+    # Requests.
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError if the request can never run; changes nothing."""
+        vocab = self.model_config.vocab_size
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty")
+        ids = np.asarray(prompt_token_ids)
+        if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
+            raise ValueError("token ids must be a flat list of integers")
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ValueError(
+                f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
+            )
+        self.scheduler.validate(ids, params)
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> int:
+        """Queues a request (validated first); returns its id."""
+        self.validate(prompt_token_ids, params)
+        seq = self.scheduler.add(prompt_token_ids, params)
+        request = _Request(seq, prompt, RequestMetrics(arrival_time=time.perf_counter()))
+        if params.stop:
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, prompt_token_ids
+            )
+        self._requests[seq.seq_id] = request
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # The step.
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests it finished."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        start = time.perf_counter()
+        descriptor = self.batch_builder.build(scheduled)
+        tokens = np.asarray(self.runner.execute(descriptor))
+        finished = self.scheduler.update(scheduled, tokens)
+        now = time.perf_counter()
+        kind = self.stats.prefill if scheduled.is_prefill else self.stats.decode
+        kind.tokens += scheduled.num_tokens
+        kind.seconds += now - start
+        kind.steps += 1
+
+        finished_ids = {seq.seq_id for seq in finished}
+        for seq, appended in zip(scheduled.seqs, scheduled.appends, strict=True):
+            request = self._requests.get(seq.seq_id)
+            if request is None or not appended:
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.detokenizer is not None and self._hit_stop_string(request):
+                self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+                if seq.seq_id not in finished_ids:
+                    finished.append(seq)
+                    finished_ids.add(seq.seq_id)
+        return [self._output(seq, now) for seq in finished]
+
+    def _hit_stop_string(self, request: _Request) -> bool:
+        """Feeds the newest token to the request's detokenizer; True once a stop string shows."""
+        seq = request.seq
+        params = seq.params
+        detokenizer = request.detokenizer
+        delta = detokenizer.step(seq.output_token_ids[-1])
+        if not delta or seq.num_output_tokens < params.min_tokens:
+            return False
+        longest = max(len(stop) for stop in params.stop)
+        search_from = max(0, len(detokenizer.text) - len(delta) - longest + 1)
+        positions = [detokenizer.text.find(stop, search_from) for stop in params.stop]
+        hits = [position for position in positions if position >= 0]
+        if not hits:
+            return False
+        request.stop_text_end = min(hits)
+        return True
+
+    def _output(self, seq: Sequence, now: float) -> RequestOutput:
+        request = self._requests.pop(seq.seq_id)
+        request.metrics.finished_time = now
+        if request.stop_text_end is not None:
+            text = request.detokenizer.text[: request.stop_text_end]
+        else:
+            text = decode_tokens(
+                self.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens
+            )
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            metrics=request.metrics,
+        )
+
+
+def default_model() -> str:
+    """The embedded default: random qwen3-0.6b weights on a GPU, qwen3-tiny on a CPU."""
+    from jaxllm.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL
+
+    return os.environ.get("JAXLLM_MODEL") or (DEFAULT_GPU_MODEL if is_gpu() else DEFAULT_CPU_MODEL)
+
+
+def default_engine_kwargs() -> dict:
+    """Engine settings of the embedded default: the LLM defaults on a GPU, lighter on a CPU.
+
+    On a CPU each bucket of the ladder takes about half a second to compile; these settings keep
+    the start-up of a demo under half a minute.
+    """
+    if is_gpu():
+        return {}
+    return {"max_num_seqs": 16, "max_model_len": 1024, "max_num_batched_tokens": 1024}

@@ -1,0 +1,302 @@
+"""The public API: `LLM` (vLLM / nano-vllm names) and the one-call `jaxllm.generate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxllm.cache import CacheStats
+from jaxllm.config import EngineConfig
+from jaxllm.engine import Engine, default_engine_kwargs, default_model
+from jaxllm.outputs import RequestOutput
+from jaxllm.runner import COMPILATIONS
+from jaxllm.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """A Qwen3 model served by jaxllm's engine.
+
+    Args:
+        model: a Hugging Face Qwen3 directory, an orbax checkpoint saved by `LLM.save`, a Hub
+            id, or "random:<shape>" ("random:qwen3-tiny", "random:qwen3-0.6b", ...); None picks
+            the embedded default (random qwen3-tiny on a CPU, qwen3-0.6b on a GPU).
+        **kwargs: `EngineConfig` fields (tensor_parallel_size, max_num_seqs,
+            max_num_batched_tokens, max_model_len, kvcache_block_size, num_kvcache_blocks,
+            memory_fraction (alias gpu_memory_utilization), dtype, enable_prefix_caching,
+            eviction_policy, seed, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if "gpu_memory_utilization" in kwargs:
+            kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "num_kvcache_blocks"}
+        self.config = EngineConfig(model=model or default_model(), **kwargs)
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self.last_run_stats: dict[str, float] = {}
+        self._seed_counter = itertools.count(1)
+
+    # Facts about the engine.
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.engine.scheduler_config.num_blocks
+
+    @property
+    def num_executables(self) -> int:
+        return self.engine.runner.num_executables
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.engine.compile_seconds
+
+    @property
+    def attention_backend(self) -> str:
+        return self.engine.model_config.attention_backend
+
+    @property
+    def num_compilations_since_startup(self) -> int:
+        """XLA executables built in this process since this engine finished starting."""
+        return COMPILATIONS.count - self.engine.compilations_at_startup
+
+    def cache_stats(self) -> CacheStats:
+        """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
+        return self.engine.scheduler.stats()
+
+    def save(self, path: str) -> None:
+        """Saves the params as an orbax checkpoint (config and tokenizer beside it)."""
+        from jaxllm.model.checkpoint import save_params
+
+        save_params(path, self.engine.model_config, self.engine.runner.params)
+        self.tokenizer.save_pretrained(path)
+
+    # Generation.
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates a completion for each prompt; returns them in prompt order.
+
+        Args:
+            prompts: one string, a list of strings, one list of token ids, or a list of those.
+            sampling_params: one SamplingParams for all, or one per prompt; default
+                `SamplingParams()`.
+            use_tqdm: show a progress bar with prefill and decode tokens/s.
+
+        Raises:
+            ValueError: an empty prompt, a prompt too long or with token ids outside the
+                vocabulary, a request that can never fit in the KV cache, or a sampling_params
+                list of the wrong length. Nothing of the call runs then.
+        """
+        texts, token_lists = self._tokenize(prompts)
+        params = self._params_per_prompt(sampling_params, len(token_lists))
+        for index, (tokens, param) in enumerate(zip(token_lists, params, strict=True)):
+            try:
+                self.engine.validate(tokens, param)
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
+        return self._run(texts, token_lists, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        enable_thinking: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them (the chat template)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[tuple[str, list[int]]]:
+        """Yields (text delta, new token ids) as one prompt's tokens are generated."""
+        from jaxllm.tokenizer import IncrementalDetokenizer
+
+        texts, token_lists = self._tokenize(prompt if not isinstance(prompt, str) else [prompt])
+        if len(token_lists) != 1:
+            raise ValueError("stream() takes one prompt")
+        (param,) = self._params_per_prompt(sampling_params, 1)
+        request_id = self._add_all(texts, token_lists, [param])[0]
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, param.skip_special_tokens, token_lists[0]
+        )
+        engine = self.engine
+        seq = engine._requests[request_id].seq
+        sent = 0
+        try:
+            while True:
+                outputs = engine.step()
+                done = [out for out in outputs if out.request_id == request_id]
+                new_tokens = (done[0].token_ids if done else seq.output_token_ids)[sent:]
+                if done:
+                    text = done[0].text[len(detokenizer.text) :]
+                    yield text, list(new_tokens)
+                    return
+                if new_tokens:
+                    sent += len(new_tokens)
+                    yield detokenizer.step(new_tokens), list(new_tokens)
+        finally:
+            if request_id in engine._requests:
+                engine.abort(request_id)
+
+    # Internals.
+
+    def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif len(prompts) > 0 and all(isinstance(t, int) for t in prompts):
+            prompts = [list(prompts)]
+        texts, token_lists = [], []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                token_lists.append(self.tokenizer.encode(prompt, add_special_tokens=False))
+            elif isinstance(prompt, Sequence | Iterator) or hasattr(prompt, "tolist"):
+                texts.append(None)
+                token_lists.append([int(t) for t in prompt])
+            else:
+                raise ValueError(
+                    f"prompt {index}: expected a string or a list of token ids, got "
+                    f"{type(prompt).__name__}"
+                )
+        return texts, token_lists
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * count
+        else:
+            params = list(sampling_params)
+            if len(params) != count:
+                raise ValueError(
+                    f"got {len(params)} sampling_params for {count} prompts; pass one "
+                    "SamplingParams or one per prompt"
+                )
+        for index, param in enumerate(params):
+            if not isinstance(param, SamplingParams):
+                raise ValueError(f"sampling_params[{index}] is not a SamplingParams")
+        # NOTE: requests without a seed of their own still get a stream of their own.
+        return [
+            param if param.seed is not None else self._with_derived_seed(param) for param in params
+        ]
+
+    def _with_derived_seed(self, param: SamplingParams) -> SamplingParams:
+        seed = hash((self.config.seed, next(self._seed_counter))) & (2**63 - 1)
+        return dataclasses.replace(param, _derived_seed=seed)
+
+    def _add_all(self, texts, token_lists, params) -> list[int]:
+        ids = []
+        try:
+            for text, tokens, param in zip(texts, token_lists, params, strict=True):
+                ids.append(self.engine.add_request(tokens, param, prompt=text))
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return ids
+
+    def _run(self, texts, token_lists, params, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        before = dataclasses.replace(engine.stats.prefill), dataclasses.replace(engine.stats.decode)
+        ids = self._add_all(texts, token_lists, params)
+        outputs: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while len(outputs) < len(ids):
+                step_start = time.perf_counter()
+                prefill_tokens = engine.stats.prefill.tokens
+                decode_tokens = engine.stats.decode.tokens
+                finished = engine.step()
+                elapsed = time.perf_counter() - step_start
+                if use_tqdm:
+                    prefill = engine.stats.prefill.tokens - prefill_tokens
+                    decode = engine.stats.decode.tokens - decode_tokens
+                    if prefill:
+                        bar.set_postfix_str(f"Prefill: {prefill / elapsed:,.0f}tok/s", False)
+                    elif decode:
+                        bar.set_postfix_str(f"Decode: {decode / elapsed:,.0f}tok/s", False)
+                for output in finished:
+                    outputs[output.request_id] = output
+                    bar.update(1)
+                if not finished and not engine.has_unfinished():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+        except BaseException:
+            for request_id in ids:
+                if request_id not in outputs:
+                    engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        prefill = engine.stats.prefill
+        decode = engine.stats.decode
+        self.last_run_stats = {
+            "prefill_tok_s": _rate(
+                prefill.tokens - before[0].tokens, prefill.seconds - before[0].seconds
+            ),
+            "decode_tok_s": _rate(
+                decode.tokens - before[1].tokens, decode.seconds - before[1].seconds
+            ),
+        }
+        return [outputs[request_id] for request_id in ids]
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_llm(model: str | None, engine_kwargs: tuple[tuple[str, Any], ...]) -> LLM:
+    kwargs = dict(engine_kwargs)
+    if model is None:
+        kwargs = default_engine_kwargs() | kwargs
+    return LLM(model, **kwargs)
+
+
+def generate(
+    prompts: Prompt | Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    model: LLM | str | None = None,
+    use_tqdm: bool = True,
+    **engine_kwargs: Any,
+) -> list[RequestOutput]:
+    """One call from a notebook: generate with `model` (an LLM, a model string, or None for
+    the embedded default). An engine is built once per (model, engine_kwargs) and reused."""
+    llm = model if isinstance(model, LLM) else _cached_llm(model, _freeze(engine_kwargs))
+    return llm.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _freeze(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(kwargs.items()))
