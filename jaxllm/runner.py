@@ -96,7 +96,7 @@ class ModelRunner:
         """Compiles (or loads from the persistent cache) the executables of these buckets."""
         shapes = [shape for shape in shapes if shape not in self._forward_executables]
         rows = sorted({shape.num_sampled for shape in shapes} - set(self._sample_executables))
-        cache = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
+        cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_cache)
         logits_dtype = jnp.float32
         with tqdm(
             total=len(shapes) + len(rows),

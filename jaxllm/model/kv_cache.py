@@ -1,7 +1,10 @@
-"""The paged KV cache: one device array for every layer's keys and values.
+"""The paged KV cache: one keys array and one values array, each for every layer.
 
-Layout `[L, 2, NB, BS, K, H]`: layer, K/V (0 keys, 1 values), block, offset in the block, kv
-head, head dim. A token's flat slot is `block_id * BS + offset`.
+Each is `[L, NB, BS, K, H]`: layer, block, offset in the block, kv head, head dim. A token's flat
+slot is `block_id * BS + offset`. Keys and values are two arrays rather than one `[L, 2, ...]`
+array because paged attention kernels (FlashAttention-3) take them as two operands of shape
+`[blocks, BS, K, H]`: `keys.reshape(L * NB, BS, K, H)` is free (a bitcast), with layer `l`'s
+block `b` at `l * NB + b`, while a slice of a combined array would be copied at every layer.
 
 Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 """
@@ -10,19 +13,45 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxllm.model.config import Qwen3Config
 
-KEYS, VALUES = 0, 1
+
+@struct.dataclass
+class KVCache:
+    """The whole paged cache (a pytree of two arrays, donated to every step).
+
+    Attributes:
+        keys: [L, NB, BS, K, H].
+        values: [L, NB, BS, K, H].
+    """
+
+    keys: jax.Array
+    values: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[2]
+
+    def layer_views(self) -> tuple[jax.Array, jax.Array]:
+        """Keys and values as `[L * NB, BS, K, H]` block pools (free reshapes, no copy)."""
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim = self.keys.shape
+        shape = (num_layers * num_blocks, block_size, num_kv_heads, head_dim)
+        return self.keys.reshape(shape), self.values.reshape(shape)
 
 
 def kv_cache_shape(config: Qwen3Config, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The cache's shape `(L, 2, NB, BS, K, H)`."""
+    """The shape `(L, NB, BS, K, H)` of the keys array (and of the values array)."""
     if block_size < 8 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
 def kv_cache_bytes_per_block(
@@ -35,19 +64,20 @@ def kv_cache_bytes_per_block(
 
 def allocate_kv_cache(
     config: Qwen3Config, num_blocks: int, block_size: int, dtype: jnp.dtype | str | None = None
-) -> jax.Array:
-    """A zeroed cache `[L, 2, NB, BS, K, H]` on the default device (dtype: the config's)."""
+) -> KVCache:
+    """A zeroed cache on the default device (dtype: the config's)."""
     shape = kv_cache_shape(config, num_blocks, block_size)
-    return jnp.zeros(shape, dtype or config.jnp_dtype)
+    dtype = dtype or config.jnp_dtype
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def write_kv(
-    kv_cache: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> jax.Array:
+    kv_cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
     """Scatters the new tokens' keys and values into one layer of the cache.
 
     Args:
-        kv_cache: [L, 2, NB, BS, K, H], updated in place under jit when donated.
+        kv_cache: the cache, updated in place under jit when donated.
         layer: the layer index (a traced scalar inside the layer scan).
         k, v: [T, K, H] the new tokens' keys and values.
         slot_mapping: [T] flat slots; negative slots (padding) write nowhere.
@@ -55,11 +85,14 @@ def write_kv(
     Returns:
         The updated cache.
     """
-    _, _, num_blocks, block_size, _, _ = kv_cache.shape
+    num_blocks, block_size = kv_cache.num_blocks, kv_cache.block_size
     # NOTE: JAX wraps negative indices, so padding slots are moved past the end and dropped.
     slots = jnp.where(slot_mapping < 0, num_blocks * block_size, slot_mapping)
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]
-    kv_cache = kv_cache.at[layer, KEYS, block_ids, offsets].set(
-        k.astype(kv_cache.dtype), mode="drop"
+    keys = kv_cache.keys.at[layer, block_ids, offsets].set(
+        k.astype(kv_cache.keys.dtype), mode="drop"
     )
-    return kv_cache.at[layer, VALUES, block_ids, offsets].set(v.astype(kv_cache.dtype), mode="drop")
+    values = kv_cache.values.at[layer, block_ids, offsets].set(
+        v.astype(kv_cache.values.dtype), mode="drop"
+    )
+    return KVCache(keys, values)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
-from jaxllm.model.kv_cache import KEYS, VALUES, write_kv
+from jaxllm.model.kv_cache import KVCache, write_kv
 
 WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -63,10 +63,10 @@ class Attention(nn.Module):
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        kv_cache: jax.Array,
+        kv_cache: KVCache,
         layer: jax.Array,
         inputs: ModelInputs,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, KVCache]:
         """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`)."""
         c = self.config
         dtype = c.jnp_dtype
@@ -85,8 +85,14 @@ class Attention(nn.Module):
 
         # NOTE: write first, so a chunk's tokens see each other through the cache.
         kv_cache = write_kv(kv_cache, layer, keys, values, inputs.slot_mapping)
+        # NOTE: the backends see every layer's blocks as one pool; this layer's blocks are
+        # offset by layer * NB (see kv_cache.py), so nothing of the cache is sliced or copied.
+        key_pool, value_pool = kv_cache.layer_views()  # [L * NB, BS, K, H] each
+        layer_inputs = inputs.replace(
+            block_tables=inputs.block_tables + layer * kv_cache.num_blocks
+        )
         attend = get_attention_backend(c.attention_backend)
-        out = attend(q, kv_cache[layer, KEYS], kv_cache[layer, VALUES], inputs)  # [T, N, H]
+        out = attend(q, key_pool, value_pool, layer_inputs)  # [T, N, H]
         return jnp.einsum("TNH,NHD->TD", out, o_proj), kv_cache
 
 
@@ -111,7 +117,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block; the body of the layer scan.
 
-    The carry is `(x [T, D], kv_cache [L, 2, NB, BS, K, H])`: the whole cache goes through the
+    The carry is `(x [T, D], kv_cache)`: the whole cache goes through the
     scan and each layer writes its slice at `layer`, so XLA updates the donated buffer in place.
     """
 
@@ -120,12 +126,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(
         self,
-        carry: tuple[jax.Array, jax.Array],
+        carry: tuple[jax.Array, KVCache],
         layer: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
         inputs: ModelInputs,
-    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
         c = self.config
         x, kv_cache = carry
         attn_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x)

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
+from jaxllm.model.kv_cache import KVCache, allocate_kv_cache
 from jaxllm.model.layers import WEIGHT_INIT, DecoderLayer, RMSNorm, rotary_cos_sin
 
 Params = dict[str, Any]
@@ -45,7 +46,7 @@ class Qwen3ForCausalLM(nn.Module):
     config: Qwen3Config
 
     @nn.compact
-    def __call__(self, kv_cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, kv_cache: KVCache, inputs: ModelInputs) -> tuple[jax.Array, KVCache]:
         c = self.config
         dtype = c.jnp_dtype
         embed = self.param("embed", WEIGHT_INIT, (c.vocab_size, c.hidden_size), dtype)
@@ -72,14 +73,14 @@ class Qwen3ForCausalLM(nn.Module):
 
 
 def forward(
-    params: Params, config: Qwen3Config, kv_cache: jax.Array, inputs: ModelInputs
-) -> tuple[jax.Array, jax.Array]:
+    params: Params, config: Qwen3Config, kv_cache: KVCache, inputs: ModelInputs
+) -> tuple[jax.Array, KVCache]:
     """One model step over the paged cache.
 
     Args:
         params: the param tree (see the module docstring).
         config: the model config (static under jit).
-        kv_cache: [L, 2, NB, BS, K, H]; donate it under jit.
+        kv_cache: the paged cache (see kv_cache.py); donate it under jit.
         inputs: the step's token ids, positions and cache addressing.
 
     Returns:
@@ -103,10 +104,7 @@ def dummy_inputs() -> ModelInputs:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _init(config: Qwen3Config, key: jax.Array) -> Params:
-    block_size = 8
-    kv_cache = jnp.zeros(
-        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim)
-    )
+    kv_cache = allocate_kv_cache(config, num_blocks=1, block_size=8)
     variables = Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs())
     return variables["params"]
 

@@ -27,8 +27,9 @@ CONFIG = Qwen3Config(
 
 def test_allocate_layout_and_bytes():
     cache = allocate_kv_cache(CONFIG, num_blocks=5, block_size=8, dtype=jnp.bfloat16)
-    assert cache.shape == (3, 2, 5, 8, 1, 16) and cache.dtype == jnp.bfloat16
-    assert kv_cache_bytes_per_block(CONFIG, 8, jnp.bfloat16) * 5 == cache.nbytes
+    for array in (cache.keys, cache.values):
+        assert array.shape == (3, 5, 8, 1, 16) and array.dtype == jnp.bfloat16
+    assert kv_cache_bytes_per_block(CONFIG, 8, jnp.bfloat16) * 5 == 2 * cache.keys.nbytes
 
 
 @pytest.mark.parametrize("block_size", [0, 4, 12, 24])
@@ -43,12 +44,12 @@ def test_write_lands_at_layer_block_offset_and_padding_writes_nowhere():
     v = -k
     slots = jnp.array([3 * 8 + 5, -1, 0 * 8 + 7], jnp.int32)
 
-    cache = np.asarray(jax.jit(write_kv)(cache, 1, k, v, slots))
+    cache = jax.jit(write_kv)(cache, 1, k, v, slots)
 
-    expected = np.zeros_like(cache)
-    expected[1, 0, 3, 5], expected[1, 1, 3, 5] = 1.0, -1.0
-    expected[1, 0, 0, 7], expected[1, 1, 0, 7] = 3.0, -3.0
-    np.testing.assert_array_equal(cache, expected)
+    expected_keys = np.zeros(cache.keys.shape, np.float32)
+    expected_keys[1, 3, 5], expected_keys[1, 0, 7] = 1.0, 3.0
+    np.testing.assert_array_equal(np.asarray(cache.keys), expected_keys)
+    np.testing.assert_array_equal(np.asarray(cache.values), -expected_keys)
 
 
 def test_jitted_forward_updates_the_donated_cache_in_place():
@@ -56,15 +57,16 @@ def test_jitted_forward_updates_the_donated_cache_in_place():
     cache = allocate_kv_cache(CONFIG, num_blocks=256, block_size=16)
     inputs = build_inputs([Chunk([1, 2, 3, 4, 5], 0, [7])], 16, tile_size=4, table_width=2)
     step = jax.jit(forward, static_argnums=1, donate_argnums=2)
-    pointer = cache.unsafe_buffer_pointer()
+    pointers = [array.unsafe_buffer_pointer() for array in (cache.keys, cache.values)]
     compiled = step.lower(params, CONFIG, cache, inputs).compile()
 
     _, new_cache = step(params, CONFIG, cache, inputs)
 
-    assert cache.is_deleted()
-    assert new_cache.unsafe_buffer_pointer() == pointer
+    assert cache.keys.is_deleted() and cache.values.is_deleted()
+    assert [a.unsafe_buffer_pointer() for a in (new_cache.keys, new_cache.values)] == pointers
     # No cache-sized temporary: neither a copy per layer nor a restacked cache.
-    assert compiled.memory_analysis().temp_size_in_bytes < new_cache.nbytes // 4
-    written = np.asarray(new_cache[:, :, 7, :5])
-    assert (np.abs(written).max(axis=(-1, -2)) > 0).all()
-    assert np.count_nonzero(np.asarray(new_cache)) == np.count_nonzero(written)
+    assert compiled.memory_analysis().temp_size_in_bytes < new_cache.keys.nbytes // 4
+    for array in (new_cache.keys, new_cache.values):
+        written = np.asarray(array[:, 7, :5])
+        assert (np.abs(written).max(axis=(-1, -2)) > 0).all()
+        assert np.count_nonzero(np.asarray(array)) == np.count_nonzero(written)
