@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
-from jaxllm.model.attention import attention_backends
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
+from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import params_nbytes
 from jaxllm.outputs import RequestMetrics, RequestOutput
@@ -157,7 +157,9 @@ class Engine:
             eos_token_ids=tuple(int(t) for t in eos if t is not None),
         )
         self.scheduler = Scheduler(self.scheduler_config, eviction_policy=config.eviction_policy)
-        self.batch_builder = BatchBuilder(self.scheduler_config)
+        self.batch_builder = BatchBuilder(
+            self.scheduler_config, one_width=self.model_config.attention_backend == "flash"
+        )
         self.runner = ModelRunner(
             self.model_config, params, num_blocks=num_blocks, block_size=block_size
         )
@@ -174,7 +176,7 @@ class Engine:
     def _attention_backend(name: str) -> str:
         if name != "auto":
             return name
-        if is_gpu() and "flash" in attention_backends():
+        if flash_available():
             return "flash"
         return "reference"
 

@@ -67,11 +67,18 @@ class BucketLadder:
     prefill_tile: int
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig) -> BucketLadder:
+    def from_config(cls, config: SchedulerConfig, *, one_width: bool = False) -> BucketLadder:
+        """The ladder of `config`; `one_width` pads every block table to the widest.
+
+        One width suits attention kernels whose cost follows the context lengths, not the
+        table width (FlashAttention's paged kernel): it divides the shapes to compile by the
+        number of widths.
+        """
+        widest = config.max_blocks_per_seq
         return cls(
             decode_sizes=_ladder(1, config.max_num_seqs),
             prefill_sizes=_ladder(config.prefill_tile, config.max_num_batched_tokens),
-            widths=_ladder(1, config.max_blocks_per_seq),
+            widths=(widest,) if one_width else _ladder(1, widest),
             prefill_tile=config.prefill_tile,
         )
 
@@ -178,9 +185,9 @@ _MODEL_INPUT_FIELDS = (
 class BatchBuilder:
     """Turns `ScheduledBatch`es into `BatchDescriptor`s (fresh arrays every step, no state)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, *, one_width: bool = False) -> None:
         self.block_size = config.block_size
-        self.ladder = BucketLadder.from_config(config)
+        self.ladder = BucketLadder.from_config(config, one_width=one_width)
 
     def build(self, batch: ScheduledBatch) -> BatchDescriptor:
         if batch.is_prefill:

@@ -33,6 +33,11 @@ def test_ladder_rungs_and_all_shapes():
     with pytest.raises(ValueError, match="beyond"):
         ladder.prefill_shape(16, 14)
 
+    one_width = BucketLadder.from_config(config, one_width=True)
+    assert one_width.widths == (13,)
+    assert len(one_width.all_shapes()) == 7 + 4
+    assert one_width.decode_shape(5, 3) == ("decode", 8, 8, 8, 13)
+
 
 def test_every_built_shape_is_on_the_ladder():
     scheduler = make_scheduler(num_blocks=12, max_num_seqs=5)
