@@ -19,7 +19,6 @@ from jaxllm.config import EngineConfig
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import params_nbytes
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -195,7 +194,8 @@ class Engine:
         c = self.model_config
         activations = tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
         activations += config.max_num_seqs * c.vocab_size * 4 * 4
-        free = limit - params_nbytes(params) - activations - stats.get("bytes_in_use", 0)
+        # NOTE: the params are already on the device, counted in bytes_in_use.
+        free = limit - activations - stats.get("bytes_in_use", 0)
         return max(1, int(free // per_block))
 
     # Requests.
