@@ -6,16 +6,26 @@ array because paged attention kernels (FlashAttention-3) take them as two operan
 `[blocks, BS, K, H]`: `keys.reshape(L * NB, BS, K, H)` is free (a bitcast), with layer `l`'s
 block `b` at `l * NB + b`, while a slice of a combined array would be copied at every layer.
 
+Under tensor parallelism both arrays are sharded on K (`KV_CACHE_AXES`): each device holds, and
+its attention reads, the kv heads of its own query heads.
+
 Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
 
 from jaxllm.model.config import Qwen3Config
+from jaxllm.model.sharding import logical_to_spec, tensor_parallel_size
+
+# The logical axes of the keys and of the values array (see sharding.py).
+KV_CACHE_AXES = ("layers", "blocks", "block_offset", "kv_heads", "head_dim")
 
 
 @struct.dataclass
@@ -55,20 +65,45 @@ def kv_cache_shape(config: Qwen3Config, num_blocks: int, block_size: int) -> tup
 
 
 def kv_cache_bytes_per_block(
-    config: Qwen3Config, block_size: int, dtype: jnp.dtype | str | None = None
+    config: Qwen3Config,
+    block_size: int,
+    dtype: jnp.dtype | str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
-    """Device bytes one block takes across all layers (to size the pool from free memory)."""
+    """Bytes one block takes on each device, across all layers (to size the pool from free
+    memory); under tensor parallelism a device holds 1 / tensor_parallel_size of the kv heads."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+    kv_heads = config.num_kv_heads // tensor_parallel_size
+    return config.num_layers * 2 * block_size * kv_heads * config.head_dim * itemsize
+
+
+def kv_cache_specs() -> KVCache:
+    """The cache's `PartitionSpec`s (a KVCache of two), for shard_map and shardings."""
+    spec = logical_to_spec(KV_CACHE_AXES)
+    return KVCache(spec, spec)
 
 
 def allocate_kv_cache(
-    config: Qwen3Config, num_blocks: int, block_size: int, dtype: jnp.dtype | str | None = None
+    config: Qwen3Config,
+    num_blocks: int,
+    block_size: int,
+    dtype: jnp.dtype | str | None = None,
+    mesh: Mesh | None = None,
 ) -> KVCache:
-    """A zeroed cache on the default device (dtype: the config's)."""
+    """A zeroed cache (dtype: the config's) on the default device, or sharded over `mesh` on
+    the kv heads, each device allocating only its own share."""
     shape = kv_cache_shape(config, num_blocks, block_size)
     dtype = dtype or config.jnp_dtype
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if mesh is None:
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if config.num_kv_heads % tensor_parallel_size(mesh):
+        raise ValueError(
+            f"num_kv_heads ({config.num_kv_heads}) is not divisible by the mesh's "
+            f"tensor_parallel_size ({tensor_parallel_size(mesh)})"
+        )
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs())
+    zeros = functools.partial(jnp.zeros, shape, dtype)
+    return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
 
 
 def write_kv(

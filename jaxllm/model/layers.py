@@ -1,9 +1,16 @@
 """Qwen3's building blocks as Flax linen modules: RMSNorm, rotary embedding, attention, MLP.
 
 Every module is a pure function of its params and arguments; the paged KV cache goes in and
-comes out explicitly.
+comes out explicitly. Each weight is declared with its logical axes (`sharded`), which
+`jaxllm.model.sharding` maps to the mesh.
 
-Legend: T tokens, N query heads, K kv heads, H head dim, D model dim, F ffn dim, L layers.
+Tensor parallelism: a module with `tp_size > 1` runs inside `shard_map` and declares and
+computes with its device's share of the sharded axes (N / tp heads, K / tp kv heads, F / tp ffn
+columns); the row-parallel projections (o_proj, down_proj) then add the devices' partial sums.
+With `tp_size == 1` the same code is the plain model.
+
+Legend: T tokens, N query heads, K kv heads, H head dim, D model dim, F ffn dim, V vocab,
+L layers (N, K, F, V: this device's share under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -16,8 +23,29 @@ from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import KVCache, write_kv
+from jaxllm.model.sharding import TP_AXIS, sum_over_shards
 
 WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def sharded(axes: tuple[str, ...], init: nn.initializers.Initializer = WEIGHT_INIT):
+    """`init` for a weight whose axes have these logical names (see `sharding.py`)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
+def embed_tokens(embed: jax.Array, token_ids: jax.Array, tp_size: int) -> jax.Array:
+    """Looks up `token_ids` [T] in the (vocab-parallel) embedding [V, D] -> [T, D].
+
+    Under tensor parallelism `embed` holds this device's rows of the vocabulary: tokens outside
+    them contribute zeros and the devices' rows are added, which is exact.
+    """
+    if tp_size == 1:
+        return embed[token_ids]
+    vocab_per_device = embed.shape[0]
+    local_ids = token_ids - jax.lax.axis_index(TP_AXIS) * vocab_per_device  # [T]
+    mine = (local_ids >= 0) & (local_ids < vocab_per_device)
+    x = embed[jnp.where(mine, local_ids, 0)]  # [T, D]
+    return sum_over_shards(jnp.where(mine[:, None], x, 0).astype(x.dtype), tp_size)
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +53,12 @@ class RMSNorm(nn.Module):
 
     eps: float
     dtype: jnp.dtype
+    axis: str = "embed"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = sharded((self.axis,), nn.initializers.ones)
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale * x32.astype(self.dtype)
@@ -53,9 +83,13 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache."""
+    """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache.
+
+    q/k/v are column-parallel (split by heads), o_proj row-parallel.
+    """
 
     config: Qwen3Config
+    tp_size: int = 1
 
     @nn.compact
     def __call__(
@@ -67,20 +101,24 @@ class Attention(nn.Module):
         layer: jax.Array,
         inputs: ModelInputs,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`)."""
+        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`).
+
+        Under tensor parallelism kv_cache holds this device's K kv heads.
+        """
         c = self.config
         dtype = c.jnp_dtype
-        d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        q_proj = self.param("q_proj", WEIGHT_INIT, (d, n, h), dtype)
-        k_proj = self.param("k_proj", WEIGHT_INIT, (d, k, h), dtype)
-        v_proj = self.param("v_proj", WEIGHT_INIT, (d, k, h), dtype)
-        o_proj = self.param("o_proj", WEIGHT_INIT, (n, h, d), dtype)
+        d, h = c.hidden_size, c.head_dim
+        n, k = c.num_heads // self.tp_size, c.num_kv_heads // self.tp_size
+        q_proj = self.param("q_proj", sharded(("embed", "heads", "head_dim")), (d, n, h), dtype)
+        k_proj = self.param("k_proj", sharded(("embed", "kv_heads", "head_dim")), (d, k, h), dtype)
+        v_proj = self.param("v_proj", sharded(("embed", "kv_heads", "head_dim")), (d, k, h), dtype)
+        o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
 
         q = jnp.einsum("TD,DNH->TNH", x, q_proj)
         keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
         values = jnp.einsum("TD,DKH->TKH", x, v_proj)
-        q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
-        keys = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(keys)
+        q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
+        keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
         q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
 
         # NOTE: write first, so a chunk's tokens see each other through the cache.
@@ -93,25 +131,28 @@ class Attention(nn.Module):
         )
         attend = get_attention_backend(c.attention_backend)
         out = attend(q, key_pool, value_pool, layer_inputs)  # [T, N, H]
-        return jnp.einsum("TNH,NHD->TD", out, o_proj), kv_cache
+        out = jnp.einsum("TNH,NHD->TD", out, o_proj)  # this device's heads' share
+        return sum_over_shards(out, self.tp_size), kv_cache
 
 
 class MLP(nn.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`; gate/up column-parallel, down row-parallel."""
 
     config: Qwen3Config
+    tp_size: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         dtype = c.jnp_dtype
-        d, f = c.hidden_size, c.intermediate_size
-        gate_proj = self.param("gate_proj", WEIGHT_INIT, (d, f), dtype)
-        up_proj = self.param("up_proj", WEIGHT_INIT, (d, f), dtype)
-        down_proj = self.param("down_proj", WEIGHT_INIT, (f, d), dtype)
+        d, f = c.hidden_size, c.intermediate_size // self.tp_size
+        gate_proj = self.param("gate_proj", sharded(("embed", "ffn")), (d, f), dtype)
+        up_proj = self.param("up_proj", sharded(("embed", "ffn")), (d, f), dtype)
+        down_proj = self.param("down_proj", sharded(("ffn", "embed")), (f, d), dtype)
         gate = jnp.einsum("TD,DF->TF", x, gate_proj)
         up = jnp.einsum("TD,DF->TF", x, up_proj)
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, down_proj)
+        out = jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, down_proj)  # this device's share
+        return sum_over_shards(out, self.tp_size)
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +163,7 @@ class DecoderLayer(nn.Module):
     """
 
     config: Qwen3Config
+    tp_size: int = 1
 
     @nn.compact
     def __call__(
@@ -135,8 +177,9 @@ class DecoderLayer(nn.Module):
         c = self.config
         x, kv_cache = carry
         attn_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x)
-        attn_out, kv_cache = Attention(c, name="attn")(attn_in, cos, sin, kv_cache, layer, inputs)
+        attention = Attention(c, self.tp_size, name="attn")
+        attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, inputs)
         x = x + attn_out
         mlp_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(x)
-        x = x + MLP(c, name="mlp")(mlp_in)
+        x = x + MLP(c, self.tp_size, name="mlp")(mlp_in)
         return (x, kv_cache), None

@@ -5,15 +5,30 @@ embed, a `nn.scan` over the stacked decoder layers (compile time independent of 
 carries the paged KV cache, the final norm, and the LM head at the sampled rows only.
 Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place.
 
-Param tree (layer params stacked on a leading L axis):
-    embed [V, D]
-    layers/attn_norm/scale [L, D]
-    layers/attn/{q_proj [L, D, N, H], k_proj [L, D, K, H], v_proj [L, D, K, H], o_proj [L, N, H, D]}
-    layers/attn/{q_norm, k_norm}/scale [L, H]
-    layers/mlp_norm/scale [L, D]
-    layers/mlp/{gate_proj [L, D, F], up_proj [L, D, F], down_proj [L, F, D]}
-    final_norm/scale [D]
-    lm_head [D, V] (untied models only; tied ones use embed)
+Tensor parallelism. `sharded_forward(config, mesh)` runs the same `forward` under `shard_map`
+over the mesh's "tp" axis. Inside, every array is one device's block: the module is built with
+`tp_size` (a static int beside the global, unchanged config) and derives its local shapes from
+both, N / tp query heads, K / tp kv heads, F / tp ffn columns and V / tp vocab rows, so the
+param shapes it declares are exactly the blocks shard_map hands it. Only four lines
+communicate: the vocab-parallel embedding and the two row-parallel projections of each layer
+(o_proj, down_proj) add the devices' partial results (`psum`), and the vocab-parallel LM head's
+logits are gathered, so every device returns the full [S, V] logits and the sampler runs on
+them replicated. At tp_size 1 no collective is emitted and `forward` is the plain model.
+Which axis is sharded is declared once: each weight's logical axes (below, in parentheses) and
+`sharding.LOGICAL_AXIS_RULES`.
+
+Param tree (layer params stacked on a leading L axis), global shapes and logical axes:
+    embed [V, D] (vocab, embed)
+    layers/attn_norm/scale [L, D] (layers, embed)
+    layers/attn/{q_proj [L, D, N, H], k_proj [L, D, K, H], v_proj [L, D, K, H]}
+        (layers, embed, heads | kv_heads, head_dim)
+    layers/attn/o_proj [L, N, H, D] (layers, heads, head_dim, embed)
+    layers/attn/{q_norm, k_norm}/scale [L, H] (layers, head_dim)
+    layers/mlp_norm/scale [L, D] (layers, embed)
+    layers/mlp/{gate_proj [L, D, F], up_proj [L, D, F]} (layers, embed, ffn)
+    layers/mlp/down_proj [L, F, D] (layers, ffn, embed)
+    final_norm/scale [D] (embed)
+    lm_head [D, V] (embed, vocab) (untied models only; tied ones use embed)
 
 Legend: T tokens, G tiles, S sampled rows, N query heads, K kv heads, H head dim, D model dim,
 F ffn dim, V vocab, L layers.
@@ -23,17 +38,26 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
-from jaxllm.model.kv_cache import KVCache, allocate_kv_cache
-from jaxllm.model.layers import WEIGHT_INIT, DecoderLayer, RMSNorm, rotary_cos_sin
+from jaxllm.model.kv_cache import KVCache, allocate_kv_cache, kv_cache_specs
+from jaxllm.model.layers import DecoderLayer, RMSNorm, embed_tokens, rotary_cos_sin, sharded
+from jaxllm.model.sharding import (
+    check_tensor_parallel,
+    gather_shards,
+    logical_to_spec,
+    shard_map,
+    tensor_parallel_size,
+)
 
 Params = dict[str, Any]
 
@@ -41,16 +65,24 @@ EMBEDDING_PARAMS = ("embed", "lm_head")
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 decoder-only LM over a paged KV cache."""
+    """Qwen3 decoder-only LM over a paged KV cache.
+
+    Attributes:
+        config: the model (global shapes).
+        tp_size: devices of the "tp" mesh axis; above 1 the module runs inside shard_map on one
+            device's blocks (see the module docstring).
+    """
 
     config: Qwen3Config
+    tp_size: int = 1
 
     @nn.compact
     def __call__(self, kv_cache: KVCache, inputs: ModelInputs) -> tuple[jax.Array, KVCache]:
-        c = self.config
+        c, tp = self.config, self.tp_size
         dtype = c.jnp_dtype
-        embed = self.param("embed", WEIGHT_INIT, (c.vocab_size, c.hidden_size), dtype)
-        x = embed[inputs.token_ids]  # [T, D]
+        vocab = c.vocab_size // tp
+        embed = self.param("embed", sharded(("vocab", "embed")), (vocab, c.hidden_size), dtype)
+        x = embed_tokens(embed, inputs.token_ids, tp)  # [T, D]
         cos, sin = rotary_cos_sin(inputs.positions, c.head_dim, c.rope_theta)  # [T, H] each
 
         layers = nn.scan(
@@ -59,34 +91,66 @@ class Qwen3ForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
         )
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = layers(c, name="layers")((x, kv_cache), layer_ids, cos, sin, inputs)
+        (x, kv_cache), _ = layers(c, tp, name="layers")((x, kv_cache), layer_ids, cos, sin, inputs)
 
         x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[inputs.sample_indices])  # [S, D]
         if c.tie_word_embeddings:
             logits = jnp.einsum("SD,VD->SV", x, embed, preferred_element_type=jnp.float32)
         else:
-            lm_head = self.param("lm_head", WEIGHT_INIT, (c.hidden_size, c.vocab_size), dtype)
+            init = sharded(("embed", "vocab"))
+            lm_head = self.param("lm_head", init, (c.hidden_size, vocab), dtype)
             logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
-        return logits, kv_cache
+        return gather_shards(logits, 1, tp), kv_cache  # [S, V] (all of V)
 
 
 def forward(
-    params: Params, config: Qwen3Config, kv_cache: KVCache, inputs: ModelInputs
+    params: Params,
+    config: Qwen3Config,
+    kv_cache: KVCache,
+    inputs: ModelInputs,
+    tp_size: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """One model step over the paged cache.
 
     Args:
-        params: the param tree (see the module docstring).
+        params: the param tree (see the module docstring); one device's blocks if tp_size > 1.
         config: the model config (static under jit).
         kv_cache: the paged cache (see kv_cache.py); donate it under jit.
         inputs: the step's token ids, positions and cache addressing.
+        tp_size: 1, or the "tp" axis size when called inside shard_map (`sharded_forward`).
 
     Returns:
         logits [S, V] float32 at `inputs.sample_indices`, and the updated cache.
     """
-    return Qwen3ForCausalLM(config).apply({"params": params}, kv_cache, inputs)
+    return Qwen3ForCausalLM(config, tp_size).apply({"params": params}, kv_cache, inputs)
+
+
+def sharded_forward(
+    config: Qwen3Config, mesh: Mesh
+) -> Callable[[Params, KVCache, ModelInputs], tuple[jax.Array, KVCache]]:
+    """`forward` under shard_map over `mesh`: (params, kv_cache, inputs) -> (logits, kv_cache).
+
+    Params and cache come sharded as `param_shardings` and `kv_cache.kv_cache_specs` say, the
+    inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`.
+
+    Raises:
+        ValueError: the mesh's size does not divide the heads, kv heads, ffn or vocab.
+    """
+    tp_size = tensor_parallel_size(mesh)
+    check_tensor_parallel(config, tp_size)
+
+    def step(params: Params, kv_cache: KVCache, inputs: ModelInputs):
+        return forward(params, config, kv_cache, inputs, tp_size)
+
+    return shard_map(
+        step,
+        mesh,
+        in_specs=(param_specs(config), kv_cache_specs(), PartitionSpec()),
+        out_specs=(PartitionSpec(), kv_cache_specs()),
+    )
 
 
 def dummy_inputs() -> ModelInputs:
@@ -102,20 +166,51 @@ def dummy_inputs() -> ModelInputs:
     )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init(config: Qwen3Config, key: jax.Array) -> Params:
+def _boxed_init(config: Qwen3Config, key: jax.Array) -> Params:
+    """Random params, each wrapped with its logical axes (`nn.LogicallyPartitioned`)."""
     kv_cache = allocate_kv_cache(config, num_blocks=1, block_size=8)
-    variables = Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs())
-    return variables["params"]
+    return Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs())["params"]
 
 
-def init_params(config: Qwen3Config, seed: int = 0) -> Params:
-    """Random params (normal(0.02) weights, unit norms) made on the default device by one jit."""
-    return _init(config, jax.random.key(seed))
+def _init(config: Qwen3Config, key: jax.Array) -> Params:
+    return nn.meta.unbox(_boxed_init(config, key))
+
+
+def param_specs(config: Qwen3Config) -> Params:
+    """The param tree of mesh `PartitionSpec`s, from each weight's logical axes."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+    return jax.tree.map(
+        lambda spec: logical_to_spec(tuple(spec)),
+        nn.get_partition_spec(boxed),
+        is_leaf=lambda leaf: isinstance(leaf, PartitionSpec),
+    )
+
+
+def param_shardings(config: Qwen3Config, mesh: Mesh) -> Params:
+    """The param tree of `NamedSharding`s over `mesh`."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_specs(config),
+        is_leaf=lambda leaf: isinstance(leaf, PartitionSpec),
+    )
+
+
+def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:
+    """Random params (normal(0.02) weights, unit norms) made on the device(s) by one jit.
+
+    With a `mesh`, each device computes only its own blocks (the jit's out_shardings); the
+    values do not depend on the mesh (jax's partitionable threefry).
+    """
+    out_shardings = None
+    if mesh is not None:
+        check_tensor_parallel(config, tensor_parallel_size(mesh))
+        out_shardings = param_shardings(config, mesh)
+    init = jax.jit(functools.partial(_init, config), out_shardings=out_shardings)
+    return init(jax.random.key(seed))
 
 
 def abstract_params(config: Qwen3Config) -> Params:
-    """The param tree as `jax.ShapeDtypeStruct`s; allocates nothing."""
+    """The param tree as `jax.ShapeDtypeStruct`s (global shapes); allocates nothing."""
     return jax.eval_shape(functools.partial(_init, config), jax.random.key(0))
 
 

@@ -1,0 +1,132 @@
+"""Tensor parallelism: the mesh axis `tp`, the one table from logical axes to it, and shard_map.
+
+Every weight names its axes where the model declares it (`nn.with_logical_partitioning` in
+`layers.py` and `qwen3.py`, e.g. q_proj is ("layers", "embed", "heads", "head_dim")), and so
+does the KV cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` below maps those names to
+the mesh axis `tp` or to None (replicated); it is the only place that decides what is sharded:
+
+    heads, kv_heads   q/k/v column-parallel, o_proj row-parallel, the KV cache on K
+    ffn               gate/up column-parallel, down row-parallel
+    vocab             the embedding and the LM head vocab-parallel
+
+The step runs under `shard_map` over a one-axis `Mesh` ("tp"): each device computes with its
+own heads, ffn columns and vocab rows (local shapes), and the model adds the partial sums of the
+row-parallel projections with `psum` (see `qwen3.py`). The mesh is made once by the engine
+(`make_mesh`) and passed beside the frozen config, never stored in it. Across hosts the same
+mesh spans every process's devices once `jax.distributed.initialize` has run (docs/multihost.md).
+
+Legend: L layers, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab,
+NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm.model.config import Qwen3Config
+
+TP_AXIS = "tp"
+
+# Logical axis -> mesh axis (None: replicated on every device). The one sharding table.
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "layers": None,  # L
+    "embed": None,  # D
+    "heads": TP_AXIS,  # N
+    "kv_heads": TP_AXIS,  # K
+    "head_dim": None,  # H
+    "ffn": TP_AXIS,  # F
+    "vocab": TP_AXIS,  # V
+    "blocks": None,  # NB
+    "block_offset": None,  # BS
+}
+
+
+def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
+    """The mesh `PartitionSpec` of an array whose axes have these logical names."""
+    unknown = [axis for axis in axes if axis is not None and axis not in LOGICAL_AXIS_RULES]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} are not in LOGICAL_AXIS_RULES")
+    return PartitionSpec(*(None if axis is None else LOGICAL_AXIS_RULES[axis] for axis in axes))
+
+
+def tensor_parallel_size(mesh: Mesh) -> int:
+    """Number of devices along the `tp` axis."""
+    return mesh.shape[TP_AXIS]
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices.
+
+    With several processes (`jax.distributed.initialize`), `jax.devices()` lists every
+    process's devices, so the mesh spans hosts.
+
+    Raises:
+        ValueError: fewer devices than `tensor_parallel_size`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size < 1 or len(devices) < tensor_parallel_size:
+        hint = ""
+        if devices and devices[0].platform == "cpu":
+            hint = (
+                "; on a CPU, emulate devices with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size}"
+            )
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices, "
+            f"{len(devices)} available{hint}"
+        )
+    return Mesh(np.asarray(devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def check_tensor_parallel(config: Qwen3Config, tensor_parallel_size: int) -> None:
+    """Raises a ValueError unless the model's sharded dimensions split evenly over the devices."""
+    tp = tensor_parallel_size
+    if config.num_heads % tp or config.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide both num_heads ({config.num_heads}) and "
+            f"num_kv_heads ({config.num_kv_heads})"
+        )
+    for name in ("intermediate_size", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide {name} ({getattr(config, name)})"
+            )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A copy on every device of the mesh."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_map(
+    f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any
+) -> Callable[..., Any]:
+    """`jax.shard_map` (jax >= 0.7), else `jax.experimental.shard_map.shard_map`.
+
+    The replication check is off: the step's outputs are either sharded or the result of an
+    all-gather, which is replicated, but jax has no public all-gather typed as such.
+    """
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental_shard_map
+
+    return experimental_shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
+    )
+
+
+def sum_over_shards(x: jax.Array, tensor_parallel_size: int) -> jax.Array:
+    """Adds the devices' partial results (row-parallel matmuls) under shard_map; identity at 1."""
+    return jax.lax.psum(x, TP_AXIS) if tensor_parallel_size > 1 else x
+
+
+def gather_shards(x: jax.Array, axis: int, tensor_parallel_size: int) -> jax.Array:
+    """Concatenates the devices' slices of `axis` under shard_map; identity at 1."""
+    if tensor_parallel_size == 1:
+        return x
+    return jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True)
