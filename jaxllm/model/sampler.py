@@ -146,19 +146,35 @@ def sample(
             lambda: jnp.full_like(row_max, -jnp.inf),
         )
         keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
-        noise = jax.vmap(_gumbel_noise, in_axes=(0, 0, None))(
-            inputs.seeds, inputs.steps, vocab_size
-        )
+        noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
         sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
         return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
 
     return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, sample_random)
 
 
-def _gumbel_noise(seed: jax.Array, step: jax.Array, vocab_size: int) -> jax.Array:
-    """[V] Gumbel noise of one row, a function of (seed, step) only."""
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+def _mix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 that mixes every bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EB_CA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2_AE35)
+    return x ^ (x >> 16)
+
+
+def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
+    """[S, V] Gumbel noise; row s is a function of (seeds[s], steps[s]) only.
+
+    A counter-based hash (two rounds of a 32-bit mixer over the token index, keyed by the
+    row's seed and step) instead of `jax.random` per row: the noise is one fused elementwise
+    pass over the logits, where vmapped threefry keys cost a millisecond per step at S=512.
+    """
+    golden = jnp.uint32(0x9E37_79B9)
+    row_key = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) * golden + 1))
+    index = jnp.arange(vocab_size, dtype=jnp.uint32)
+    bits = _mix32(_mix32(index[None, :] * golden + row_key[:, None]) ^ row_key[:, None])
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -jnp.log(-jnp.log(uniform))
 
 
 def _top_k_top_p_threshold(
