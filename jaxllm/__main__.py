@@ -12,6 +12,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -22,6 +23,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kwargs
 
 
@@ -29,7 +32,11 @@ def _sampling(args: argparse.Namespace):
     from jaxllm import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -45,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--top-p", type=float, default=0.95)
         sub.add_argument("--max-tokens", type=int, default=64)
         sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+        if name == "chat":
+            sub.add_argument(
+                "--enable-thinking",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="Qwen3's thinking mode (default: the chat template's, on)",
+            )
 
     commands.add_parser(
         "bench", help="the throughput benchmark (see scripts/bench.py)", add_help=False
@@ -58,17 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
-    from jaxllm.engine import default_engine_kwargs
     from jaxllm.llm import LLM
 
-    defaults = default_engine_kwargs() if args.model is None else {}
-    llm = LLM(args.model, **(defaults | _engine_kwargs(args)))
+    llm = LLM(args.model, **_engine_kwargs(args))
     prompts = args.prompts or ["The capital of France is"]
     if args.command == "generate":
         outputs = llm.generate(prompts, _sampling(args))
     else:
         conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-        outputs = llm.chat(conversations, _sampling(args))
+        outputs = llm.chat(conversations, _sampling(args), enable_thinking=args.enable_thinking)
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")

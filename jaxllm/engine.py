@@ -79,6 +79,8 @@ def resolve_model(model: str) -> str:
     """A local directory or `random:<shape>` for `model`; Hub ids are downloaded if possible."""
     if model.startswith(RANDOM_PREFIX) or Path(model).is_dir():
         return model
+    if Path(model).exists():
+        raise FileNotFoundError(f"model path {model!r} is not a directory")
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise FileNotFoundError(f"model path {model!r} does not exist")
@@ -223,15 +225,21 @@ class Engine:
         seq = self.scheduler.add(prompt_token_ids, params)
         request = _Request(seq, prompt, RequestMetrics(arrival_time=time.perf_counter()))
         if params.stop:
-            request.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, prompt_token_ids
-            )
+            # NOTE: no prompt context: a prompt ending inside a multi-byte character would
+            # otherwise change the output's first characters, and the text must equal the
+            # output tokens decoded alone (what `_output` returns without a stop string).
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self._requests[seq.seq_id] = request
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
+        """Finishes a live request without output (mutates the scheduler); others: no-op."""
         self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
+
+    def sequence(self, request_id: int) -> Sequence:
+        """The scheduler's live `Sequence` of a request (read it, never mutate it)."""
+        return self._requests[request_id].seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import gc
 import itertools
+import json
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine, default_engine_kwargs, default_model
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.runner import COMPILATIONS
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.tokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -28,26 +32,43 @@ class LLM:
     Args:
         model: a Hugging Face Qwen3 directory, an orbax checkpoint saved by `LLM.save`, a Hub
             id, or "random:<shape>" ("random:qwen3-tiny", "random:qwen3-0.6b", ...); None picks
-            the embedded default (random qwen3-tiny on a CPU, qwen3-0.6b on a GPU).
-        **kwargs: `EngineConfig` fields (tensor_parallel_size, max_num_seqs,
-            max_num_batched_tokens, max_model_len, kvcache_block_size, num_kvcache_blocks,
-            memory_fraction (alias gpu_memory_utilization), dtype, enable_prefix_caching,
-            eviction_policy, seed, ...).
+            the embedded default (random qwen3-tiny on a CPU, qwen3-0.6b on a GPU) with
+            `default_engine_kwargs()` under the given ones (a lighter ladder on a CPU).
+        **kwargs: `EngineConfig` fields, keyword only: tensor_parallel_size=1,
+            max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096,
+            kvcache_block_size=256, num_kvcache_blocks=None, memory_fraction=0.9 (alias
+            gpu_memory_utilization), dtype=None, enable_prefix_caching=True,
+            eviction_policy="lru", seed=0, prefill_tile, attention_backend, compile_at_startup,
+            compilation_cache_dir; see `EngineConfig`.
+
+    Raises:
+        TypeError: an unknown argument.
+        ValueError: an invalid setting, or a KV cache too small for one max_model_len request.
+        FileNotFoundError: a model path that does not exist.
+
+    Mutates: `generate`, `chat` and `stream` run the engine (its KV cache and prefix cache).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if "gpu_memory_utilization" in kwargs:
+            if "memory_fraction" in kwargs:
+                raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
             kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "num_kvcache_blocks"}
+        if model is None:
+            kwargs = default_engine_kwargs() | kwargs
         self.config = EngineConfig(model=model or default_model(), **kwargs)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
         self._seed_counter = itertools.count(1)
+        # NOTE: outputs of requests finished by a step that another call ran (an interleaved
+        # `stream`), kept until their caller asks.
+        self._finished: dict[int, RequestOutput] = {}
 
     # Facts about the engine.
 
@@ -80,12 +101,20 @@ class LLM:
         """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
         return self.engine.scheduler.stats()
 
-    def save(self, path: str) -> None:
-        """Saves the params as an orbax checkpoint (config and tokenizer beside it)."""
+    def save(self, path: str | Path) -> None:
+        """Saves the model as a directory that `LLM(path)` loads back.
+
+        Writes the params (orbax) and their config, the tokenizer, and a generation_config.json
+        with the eos ids this engine stops at.
+        """
         from jaxllm.model.checkpoint import save_params
 
         save_params(path, self.engine.model_config, self.engine.runner.params)
         self.tokenizer.save_pretrained(path)
+        eos = list(self.engine.scheduler_config.eos_token_ids)
+        (Path(path) / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": eos}, indent=2) + "\n"
+        )
 
     # Generation.
 
@@ -137,52 +166,76 @@ class LLM:
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
-    ) -> Iterator[tuple[str, list[int]]]:
-        """Yields (text delta, new token ids) as one prompt's tokens are generated."""
-        from jaxllm.tokenizer import IncrementalDetokenizer
+    ) -> Iterator[StreamDelta]:
+        """Returns an iterator of (text, token_ids) deltas of one prompt's generation.
 
+        The text deltas concatenate to the final `RequestOutput.text` and the token deltas to
+        its `token_ids`. With stop strings, the last (longest stop string - 1) characters are
+        held back until they cannot start a stop string. The request is queued at the first
+        `next()`; closing the iterator early aborts it.
+
+        Raises:
+            ValueError: as `generate` does, at once (before anything runs).
+        """
         texts, token_lists = self._tokenize(prompt if not isinstance(prompt, str) else [prompt])
         if len(token_lists) != 1:
-            raise ValueError("stream() takes one prompt")
+            raise ValueError(f"stream() takes one prompt, got {len(token_lists)}")
         (param,) = self._params_per_prompt(sampling_params, 1)
-        request_id = self._add_all(texts, token_lists, [param])[0]
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, param.skip_special_tokens, token_lists[0]
-        )
-        engine = self.engine
-        seq = engine._requests[request_id].seq
-        sent = 0
+        self.engine.validate(token_lists[0], param)
+        return self._stream(texts[0], token_lists[0], param)
+
+    def _stream(self, text: str | None, tokens: list[int], param: SamplingParams):
+        (request_id,) = self._add_all([text], [tokens], [param])
+        seq = self.engine.sequence(request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, param.skip_special_tokens)
+        hold_back = max(len(stop) for stop in param.stop) - 1 if param.stop else 0
+        num_sent_tokens = num_sent_chars = 0
         try:
             while True:
-                outputs = engine.step()
-                done = [out for out in outputs if out.request_id == request_id]
-                new_tokens = (done[0].token_ids if done else seq.output_token_ids)[sent:]
-                if done:
-                    text = done[0].text[len(detokenizer.text) :]
-                    yield text, list(new_tokens)
+                output = self._finished.pop(request_id, None)
+                if output is None:
+                    self._step()
+                    output = self._finished.pop(request_id, None)
+                if output is not None:
+                    yield StreamDelta(
+                        output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
+                    )
                     return
-                if new_tokens:
-                    sent += len(new_tokens)
-                    yield detokenizer.step(new_tokens), list(new_tokens)
+                new_tokens = seq.output_token_ids[num_sent_tokens:]
+                if not new_tokens:
+                    continue
+                num_sent_tokens += len(new_tokens)
+                detokenizer.step(new_tokens)
+                visible = max(num_sent_chars, len(detokenizer.text) - hold_back)
+                delta = detokenizer.text[num_sent_chars:visible]
+                num_sent_chars = visible
+                yield StreamDelta(delta, list(new_tokens))
         finally:
-            if request_id in engine._requests:
-                engine.abort(request_id)
+            self._finished.pop(request_id, None)
+            self.engine.abort(request_id)
 
     # Internals.
 
+    def _step(self) -> None:
+        """Runs one engine step; files the outputs it finished under `_finished`."""
+        for output in self.engine.step():
+            self._finished[output.request_id] = output
+
     def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
-        if isinstance(prompts, str):
+        is_one_token_list = len(prompts) > 0 and all(_is_token_id(t) for t in prompts)
+        if isinstance(prompts, str) or is_one_token_list:
             prompts = [prompts]
-        elif len(prompts) > 0 and all(isinstance(t, int) for t in prompts):
-            prompts = [list(prompts)]
         texts, token_lists = [], []
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 texts.append(prompt)
                 token_lists.append(self.tokenizer.encode(prompt, add_special_tokens=False))
             elif isinstance(prompt, Sequence | Iterator) or hasattr(prompt, "tolist"):
+                tokens = list(prompt)
+                if not all(_is_token_id(t) for t in tokens):
+                    raise ValueError(f"prompt {index}: token ids must be integers")
                 texts.append(None)
-                token_lists.append([int(t) for t in prompt])
+                token_lists.append([int(t) for t in tokens])
             else:
                 raise ValueError(
                     f"prompt {index}: expected a string or a list of token ids, got "
@@ -238,7 +291,7 @@ class LLM:
                 step_start = time.perf_counter()
                 prefill_tokens = engine.stats.prefill.tokens
                 decode_tokens = engine.stats.decode.tokens
-                finished = engine.step()
+                self._step()
                 elapsed = time.perf_counter() - step_start
                 if use_tqdm:
                     prefill = engine.stats.prefill.tokens - prefill_tokens
@@ -247,10 +300,12 @@ class LLM:
                         bar.set_postfix_str(f"Prefill: {prefill / elapsed:,.0f}tok/s", False)
                     elif decode:
                         bar.set_postfix_str(f"Decode: {decode / elapsed:,.0f}tok/s", False)
-                for output in finished:
-                    outputs[output.request_id] = output
-                    bar.update(1)
-                if not finished and not engine.has_unfinished():
+                for request_id in ids:
+                    output = self._finished.pop(request_id, None)
+                    if output is not None:
+                        outputs[request_id] = output
+                        bar.update(1)
+                if len(outputs) < len(ids) and not engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
             for request_id in ids:
@@ -272,16 +327,17 @@ class LLM:
         return [outputs[request_id] for request_id in ids]
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_llm(model: str | None, engine_kwargs: tuple[tuple[str, Any], ...]) -> LLM:
-    kwargs = dict(engine_kwargs)
-    if model is None:
-        kwargs = default_engine_kwargs() | kwargs
-    return LLM(model, **kwargs)
+# NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,
+# so the previous one is dropped before the next is built.
+_shared: list[tuple[tuple, LLM]] = []
 
 
 def generate(
@@ -293,10 +349,15 @@ def generate(
     **engine_kwargs: Any,
 ) -> list[RequestOutput]:
     """One call from a notebook: generate with `model` (an LLM, a model string, or None for
-    the embedded default). An engine is built once per (model, engine_kwargs) and reused."""
-    llm = model if isinstance(model, LLM) else _cached_llm(model, _freeze(engine_kwargs))
+    the embedded default). The engine is built once per (model, engine_kwargs) and reused until
+    a call asks for another."""
+    if isinstance(model, LLM):
+        llm = model
+    else:
+        key = (model, tuple(sorted(engine_kwargs.items())))
+        if not _shared or _shared[0][0] != key:
+            _shared.clear()
+            gc.collect()
+            _shared.append((key, LLM(model, **engine_kwargs)))
+        llm = _shared[0][1]
     return llm.generate(prompts, params, use_tqdm=use_tqdm)
-
-
-def _freeze(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(kwargs.items()))

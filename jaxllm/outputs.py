@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -34,8 +34,9 @@ class RequestOutput:
     Attributes:
         prompt: the prompt text, or None when the prompt was given as token ids.
         prompt_token_ids: the prompt's token ids.
-        token_ids: the generated token ids (a stop string's tokens are cut; a stop token is kept).
-        text: the generated text, ending before any stop string.
+        token_ids: the generated token ids; a stop token is kept, and so is the token that
+            completed a stop string.
+        text: the generated text (`token_ids` decoded), ending before any stop string.
         finish_reason: "stop" (eos, a stop token or a stop string) or "length" (max_tokens or
             max_model_len).
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
@@ -52,6 +53,13 @@ class RequestOutput:
     metrics: RequestMetrics = field(repr=False)
 
     def __getitem__(self, key: str) -> Any:
-        if key not in ("text", "token_ids", "prompt_token_ids", "finish_reason", "prompt"):
+        if key not in {f.name for f in fields(self)}:
             raise KeyError(key)
         return getattr(self, key)
+
+
+class StreamDelta(NamedTuple):
+    """What `LLM.stream` yields: the new text and the new token ids since the last delta."""
+
+    text: str
+    token_ids: list[int]
