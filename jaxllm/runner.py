@@ -5,6 +5,12 @@ runs two executables compiled ahead of time: the model's forward pass for the de
 bucket (`BucketShape`: tokens, tiles, sampled rows, block-table width), which takes the KV cache
 donated and so updates it in place, and the sampler for the number of sampled rows. Splitting the
 two halves the start-up compile time (the sampler has far fewer shapes than the model).
+
+Tensor parallelism: the runner holds the "tp" mesh (`jaxllm.model.sharding`). The forward pass
+runs under shard_map over it (`sharded_forward`) with params and KV cache sharded; the step's
+inputs go to every device, and the logits come back whole on every device, where the sampler
+runs replicated. With several processes (`jax.distributed`) every process runs the same steps
+and passes the same host arrays; each becomes one global, replicated array.
 """
 
 from __future__ import annotations
@@ -12,16 +18,19 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.qwen3 import forward
+from jaxllm.model.qwen3 import sharded_forward
 from jaxllm.model.sampler import SamplingInputs, sample
+from jaxllm.model.sharding import make_mesh, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
 
 logger = logging.getLogger(__name__)
@@ -46,8 +55,8 @@ class CompilationCounter:
 COMPILATIONS = CompilationCounter()
 
 
-def _model_inputs(shape: BucketShape) -> ModelInputs:
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+def _model_inputs(shape: BucketShape, sharding: NamedSharding) -> ModelInputs:
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
     return ModelInputs(
         token_ids=i32((shape.num_tokens,)),
         positions=i32((shape.num_tokens,)),
@@ -58,15 +67,15 @@ def _model_inputs(shape: BucketShape) -> ModelInputs:
     )
 
 
-def _sampling_inputs(num_rows: int) -> SamplingInputs:
-    f32 = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
-    i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+def _sampling_inputs(num_rows: int, sharding: NamedSharding) -> SamplingInputs:
+    f32 = jax.ShapeDtypeStruct((num_rows,), jnp.float32, sharding=sharding)
+    i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=sharding)
     return SamplingInputs(
         temperature=f32,
         top_k=i32,
         top_p=f32,
         min_p=f32,
-        seeds=jax.ShapeDtypeStruct((num_rows,), jnp.uint32),
+        seeds=jax.ShapeDtypeStruct((num_rows,), jnp.uint32, sharding=sharding),
         steps=i32,
     )
 
@@ -74,17 +83,33 @@ def _sampling_inputs(num_rows: int) -> SamplingInputs:
 class ModelRunner:
     """Owns the params, the KV cache and the compiled executables.
 
+    Args:
+        config: the model.
+        params: the param tree, sharded over `mesh` (`load_params(..., mesh=mesh)`).
+        num_blocks, block_size: the KV cache's capacity.
+        mesh: the "tp" mesh (`sharding.make_mesh`); default the first device alone.
+
     `execute` mutates `kv_cache`: it is replaced by the step's in-place-updated buffer.
     """
 
-    def __init__(self, config: Qwen3Config, params, *, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        config: Qwen3Config,
+        params,
+        *,
+        num_blocks: int,
+        block_size: int,
+        mesh: Mesh | None = None,
+    ) -> None:
         self.config = config
         self.params = params
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size)
-        self._forward = jax.jit(forward, static_argnums=1, donate_argnums=2)
-        self._sample = jax.jit(sample)
+        self.mesh = mesh or make_mesh(1)
+        self._replicated = replicated(self.mesh)
+        self._forward = jax.jit(sharded_forward(config, self.mesh), donate_argnums=1)
+        self._sample = jax.jit(sample, out_shardings=self._replicated)
+        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, mesh=self.mesh)
         self._forward_executables: dict[BucketShape, jax.stages.Compiled] = {}
         self._sample_executables: dict[int, jax.stages.Compiled] = {}
 
@@ -96,7 +121,9 @@ class ModelRunner:
         """Compiles (or loads from the persistent cache) the executables of these buckets."""
         shapes = [shape for shape in shapes if shape not in self._forward_executables]
         rows = sorted({shape.num_sampled for shape in shapes} - set(self._sample_executables))
-        cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_cache)
+        cache = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_cache
+        )
         logits_dtype = jnp.float32
         with tqdm(
             total=len(shapes) + len(rows),
@@ -104,12 +131,15 @@ class ModelRunner:
             disable=not use_tqdm or not shapes,
         ) as bar:
             for num_rows in rows:
-                logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), logits_dtype)
-                lowered = self._sample.lower(logits, _sampling_inputs(num_rows))
+                logits = jax.ShapeDtypeStruct(
+                    (num_rows, self.config.vocab_size), logits_dtype, sharding=self._replicated
+                )
+                lowered = self._sample.lower(logits, _sampling_inputs(num_rows, self._replicated))
                 self._sample_executables[num_rows] = lowered.compile()
                 bar.update(1)
             for shape in shapes:
-                lowered = self._forward.lower(self.params, self.config, cache, _model_inputs(shape))
+                inputs = _model_inputs(shape, self._replicated)
+                lowered = self._forward.lower(self.params, cache, inputs)
                 self._forward_executables[shape] = lowered.compile()
                 bar.update(1)
 
@@ -128,5 +158,13 @@ class ModelRunner:
             seeds=batch.seeds,
             steps=batch.sample_steps,
         )
+        if jax.process_count() > 1:
+            inputs, sampling = self._global(inputs), self._global(sampling)
         logits, self.kv_cache = self._forward_executables[shape](self.params, self.kv_cache, inputs)
         return self._sample_executables[shape.num_sampled](logits, sampling)
+
+    def _global(self, tree: Any) -> Any:
+        """Host arrays (equal in every process) as global arrays replicated over the mesh."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._replicated, x), tree
+        )

@@ -1,6 +1,8 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
 An orbax checkpoint directory holds `params/` (orbax) and `jaxllm_config.json` (the config).
+Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts each device's blocks, and only
+those, on that device: orbax restores shard by shard, random weights are made sharded.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ import json
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 
 from jaxllm.model.config import PRESETS, Qwen3Config
 from jaxllm.model.loader import CheckpointError, default_dtype, load_hf_checkpoint
-from jaxllm.model.qwen3 import Params, abstract_params, init_params
+from jaxllm.model.qwen3 import Params, abstract_params, init_params, param_shardings
+from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
 CONFIG_FILE = "jaxllm_config.json"
 PARAMS_DIR = "params"
@@ -31,12 +35,15 @@ def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
     (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
 
-def load_orbax_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[Qwen3Config, Params]:
-    """Reads a directory written by `save_params` onto the default device.
+def load_orbax_checkpoint(
+    path: str | Path, dtype: str | None = None, mesh: Mesh | None = None
+) -> tuple[Qwen3Config, Params]:
+    """Reads a directory written by `save_params` (with any mesh) onto the devices of `mesh`.
 
     Args:
         path: the checkpoint directory.
         dtype: param dtype name (the saved params are cast); default: the saved config's.
+        mesh: the "tp" mesh the params are sharded over; default the first device alone.
     """
     import orbax.checkpoint as ocp
 
@@ -44,17 +51,19 @@ def load_orbax_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[Q
     config = Qwen3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
     if dtype:
         config = config.replace(dtype=dtype)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = mesh or make_mesh(1)
+    check_tensor_parallel(config, tensor_parallel_size(mesh))
     target = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         abstract_params(config),
+        param_shardings(config, mesh),
     )
     params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     return config, params
 
 
 def load_params(
-    path_or_preset: str | Path, dtype: str | None = None, seed: int = 0
+    path_or_preset: str | Path, dtype: str | None = None, seed: int = 0, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
     """Loads model params from a Hugging Face directory, an orbax directory or a random preset.
 
@@ -64,13 +73,16 @@ def load_params(
             (random weights made on the device).
         dtype: param dtype name; default bfloat16 on a GPU, else the checkpoint's or preset's.
         seed: the random preset's seed.
+        mesh: the "tp" mesh (`sharding.make_mesh`) the params are sharded over; default the
+            first device alone.
 
     Returns:
-        The config (its dtype the params') and the param tree on the default device.
+        The config (its dtype the params') and the param tree on the mesh's devices.
 
     Raises:
-        ValueError: an unknown preset or unsupported model; `CheckpointError` for a directory
-            that is not a checkpoint or does not match its config.
+        ValueError: an unknown preset or unsupported model, or a mesh that does not divide both
+            num_heads and num_kv_heads (checked before any weight is read); `CheckpointError`
+            for a directory that is not a checkpoint or does not match its config.
     """
     if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
         name = path_or_preset.removeprefix(RANDOM_PREFIX)
@@ -78,13 +90,13 @@ def load_params(
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         config = PRESETS[name]
         config = config.replace(dtype=dtype or default_dtype(config))
-        return config, init_params(config, seed)
+        return config, init_params(config, seed, mesh or make_mesh(1))
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
         saved = Qwen3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-        return load_orbax_checkpoint(path, dtype or default_dtype(saved))
+        return load_orbax_checkpoint(path, dtype or default_dtype(saved), mesh)
     if (path / "config.json").exists():
-        return load_hf_checkpoint(path, dtype)
+        return load_hf_checkpoint(path, dtype, mesh=mesh)
     raise CheckpointError(
         f"{path} is neither a Hugging Face checkpoint (config.json), an orbax checkpoint "
         f"({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: {', '.join(PRESETS)})"

@@ -2,9 +2,14 @@
 
 One table, `HF_WEIGHTS`, maps every Hugging Face tensor name to a param path and a layout. All
 names and shapes are checked against it before any data is read, and one `CheckpointError`
-names every missing, unmapped, duplicated or mis-shaped tensor. Tensors are then read one at a
-time through `safe_open` (memory-mapped) into one host buffer per param, which goes to the
-device before the next param is read: host memory holds at most one stacked param at a time.
+names every missing, unmapped, duplicated or mis-shaped tensor.
+
+Sharded reading: each param is built device by device. For one device, the block of the param
+it holds (all of it without tensor parallelism) is read from every layer's tensor through
+`safe_open(...).get_slice` (memory-mapped: only the rows or columns of that block are read),
+converted into one host buffer, and sent to that device before the next device's block is
+read. Host memory so holds one device's block of one stacked param at a time, never the model;
+with several processes (`jax.distributed`) each reads only the blocks of its own devices.
 
 Legend: L layers, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
 """
@@ -20,11 +25,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.qwen3 import Params, abstract_params
+from jaxllm.model.qwen3 import Params, abstract_params, param_shardings
+from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -40,6 +47,8 @@ class Layout:
     `linear_in_axes == 0` copies the tensor. Otherwise the tensor is a torch Linear weight
     [out, in]: it is transposed and reshaped so that the param's first `linear_in_axes` axes
     are the input features (e.g. q_proj [N*H, D] -> [D, N, H], o_proj [D, N*H] -> [N, H, D]).
+    A block of the param that splits only the leading axis of its input or its output axes
+    (every sharding of `sharding.py`) is a contiguous range of the tensor's columns or rows.
     """
 
     linear_in_axes: int = 0
@@ -54,6 +63,26 @@ class Layout:
         if not self.linear_in_axes:
             return tensor
         return tensor.T.reshape(param_shape)
+
+    def hf_index(self, param_shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The slices of the Hugging Face tensor that hold the block `index` of the param."""
+        if not self.linear_in_axes:
+            return index
+        split = self.linear_in_axes
+        rows = _flat_slice(param_shape[split:], index[split:])
+        columns = _flat_slice(param_shape[:split], index[:split])
+        return rows, columns
+
+
+def _flat_slice(shape: tuple[int, ...], index: tuple[slice, ...]) -> slice:
+    """The range of the flattened `shape` that is the block `index`, in which only the leading
+    axis may be partial (a NotImplementedError otherwise)."""
+    start, stop, _ = index[0].indices(shape[0])
+    for size, part in zip(shape[1:], index[1:], strict=True):
+        if part.indices(size) != (0, size, 1):
+            raise NotImplementedError(f"a block {index} of shape {shape} is not contiguous")
+    inner = math.prod(shape[1:])
+    return slice(start * inner, stop * inner)
 
 
 COPY = Layout()
@@ -129,27 +158,33 @@ def _expected_tensors(
 
 
 def load_hf_checkpoint(
-    path: str | Path, dtype: str | None = None, progress: bool = True
+    path: str | Path, dtype: str | None = None, progress: bool = True, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
-    """Reads a Hugging Face Qwen3 directory into device params.
+    """Reads a Hugging Face Qwen3 directory into device params, sharded over `mesh`.
 
     Args:
         path: directory with config.json and one or many *.safetensors (sharded ones with
             model.safetensors.index.json).
         dtype: param dtype name; default `default_dtype(config)`.
         progress: show a tqdm bar over the tensors.
+        mesh: the "tp" mesh the params are sharded over (`sharding.py`); default the first
+            device alone.
 
     Returns:
         The config (its dtype the params') and the param tree.
 
     Raises:
         CheckpointError: naming every missing, unmapped, duplicated or mis-shaped tensor.
-        ValueError: the config.json describes an unsupported model.
+        ValueError: the config.json describes an unsupported model, or one whose heads do not
+            split over the mesh.
     """
     path = Path(path)
     config = Qwen3Config.from_hf(path)
     config = config.replace(dtype=dtype or default_dtype(config))
+    mesh = mesh or make_mesh(1)
+    check_tensor_parallel(config, tensor_parallel_size(mesh))
     shapes = abstract_params(config)
+    shardings = param_shardings(config, mesh)
     expected = _expected_tensors(config, shapes)
     target_dtype = np.dtype(config.jnp_dtype)
 
@@ -184,17 +219,40 @@ def load_hf_checkpoint(
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
             for param_path, names in by_param.items():
                 shape = _get(shapes, param_path).shape
-                host = np.empty(shape, target_dtype)
-                for name in names:
-                    _, layer, layout, _ = expected[name]
-                    tensor = handles[name].get_tensor(name)
-                    if layer is None:
-                        host[...] = layout.convert(tensor, shape)
-                    else:
-                        host[layer] = layout.convert(tensor, shape[1:])
-                    del tensor
-                    bar.update()
-                # NOTE: waiting bounds host memory to one param even if transfers lag reads.
-                _set(params, param_path, jax.device_put(host).block_until_ready())
-                del host
+                sharding = _get(shardings, param_path)
+                blocks = []
+                for device, index in sharding.addressable_devices_indices_map(shape).items():
+                    host = _read_block(handles, expected, names, shape, index, target_dtype)
+                    # NOTE: waiting bounds host memory to one block even if transfers lag reads.
+                    blocks.append(jax.device_put(host, device).block_until_ready())
+                    del host
+                array = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
+                _set(params, param_path, array)
+                bar.update(len(names))
     return config, params
+
+
+def _read_block(
+    handles: dict[str, Any],
+    expected: dict[str, tuple[tuple[str, ...], int | None, Layout, tuple[int, ...]]],
+    names: list[str],
+    shape: tuple[int, ...],
+    index: tuple[slice, ...],
+    dtype: np.dtype,
+) -> np.ndarray:
+    """The block `index` of the param of global `shape` made of the tensors `names` (one per
+    layer for stacked params), read from the checkpoint's slices only."""
+    parts = zip(index, shape, strict=True)
+    block_shape = tuple(len(range(*part.indices(size))) for part, size in parts)
+    host = np.empty(block_shape, dtype)
+    for name in names:
+        _, layer, layout, _ = expected[name]
+        if layer is None:
+            param_shape, param_index, target = shape, index, host
+        else:
+            # NOTE: layers are never sharded (`sharding.py`): the block holds every layer.
+            param_shape, param_index, target = shape[1:], index[1:], host[layer]
+        tensor = handles[name].get_slice(name)[layout.hf_index(param_shape, param_index)]
+        target[...] = layout.convert(tensor, target.shape)
+        del tensor
+    return host
