@@ -19,6 +19,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
+from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -122,7 +123,11 @@ class Engine:
         configure_compilation_cache(config.compilation_cache_dir)
         self.config = config
         model_path = resolve_model(config.model)
-        model_config, params = load_params(model_path, dtype=config.dtype, seed=config.seed)
+        # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        model_config, params = load_params(
+            model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
+        )
         self.model_config = model_config.replace(
             attention_backend=self._attention_backend(config.attention_backend)
         )
@@ -162,7 +167,7 @@ class Engine:
             self.scheduler_config, one_width=self.model_config.attention_backend == "flash"
         )
         self.runner = ModelRunner(
-            self.model_config, params, num_blocks=num_blocks, block_size=block_size
+            self.model_config, params, num_blocks=num_blocks, block_size=block_size, mesh=self.mesh
         )
         self.compile_seconds = 0.0
         if config.compile_at_startup:
@@ -184,7 +189,9 @@ class Engine:
     def _fit_num_blocks(self, params, block_size: int) -> int:
         """KV blocks that fit in `memory_fraction` of the device beside weights and activations."""
         config = self.config
-        per_block = kv_cache_bytes_per_block(self.model_config, block_size)
+        per_block = kv_cache_bytes_per_block(
+            self.model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
+        )
         blocks_per_seq = -(-config.max_model_len // block_size)
         if not is_gpu():
             wanted = config.max_num_seqs * blocks_per_seq
