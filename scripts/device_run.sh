@@ -18,10 +18,10 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tail -15 ;;
-    bench-0.6b) python3 scripts/bench.py --json "$OUT/bench-0.6b.json" 2>&1 | tee "$OUT/bench-0.6b.log" | tail -40 ;;
-    bench-0.6b-warm) python3 scripts/bench.py --json "$OUT/bench-0.6b-warm.json" 2>&1 | tail -30 ;;
-    bench-8b) python3 scripts/bench.py --model random:qwen3-8b --json "$OUT/bench-8b.json" 2>&1 | tail -30 ;;
+    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/tests.log" | grep -E "^E  |passed|failed" | head -30 ;;
+    bench-0.6b) python3 scripts/bench.py --json "$OUT/bench-0.6b.json" 2>&1 | tee "$OUT/bench-0.6b.log" | grep -v Compiling | tail -30 ;;
+    bench-0.6b-warm) python3 scripts/bench.py --json "$OUT/bench-0.6b-warm.json" 2>&1 | grep -v Compiling | tail -30 ;;
+    bench-8b) python3 scripts/bench.py --model random:qwen3-8b --json "$OUT/bench-8b.json" 2>&1 | grep -v Compiling | tail -30 ;;
     decode-step) python3 scripts/decode_step.py 2>&1 | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -51,7 +51,7 @@ def test_flash_matches_reference_attention(tile_size, count, max_start, max_new)
     if not flash_attention.flash_available():
         pytest.skip("flash-attn3-jax is not installed")
     rng = np.random.default_rng(0)
-    num_blocks = 256
+    num_blocks = 1024
     chunks = random_chunks(rng, count, max_start, max_new, num_blocks)
     inputs = build_inputs(chunks, BLOCK_SIZE, tile_size, table_width=16)
     num_heads, num_kv_heads, head_dim = 16, 8, 128
@@ -65,7 +65,13 @@ def test_flash_matches_reference_attention(tile_size, count, max_start, max_new)
     reference = jax.jit(get_attention_backend("reference"))(q, k_cache, v_cache, inputs)
 
     real_rows = np.asarray(inputs.slot_mapping) >= 0
-    assert relative_error(np.asarray(flash)[real_rows], np.asarray(reference)[real_rows]) < 1e-2
+    flash, reference = np.asarray(flash)[real_rows], np.asarray(reference)[real_rows]
+    row_errors = [relative_error(f, r) for f, r in zip(flash, reference, strict=True)]
+    worst = int(np.argmax(row_errors))
+    assert relative_error(flash, reference) < 1e-2, (
+        f"worst row {worst}: error {row_errors[worst]:.3g}, "
+        f"context {np.asarray(inputs.context_lens)[worst]}, errors {np.round(row_errors, 4)}"
+    )
 
 
 def test_flash_model_logits_match_reference_in_bfloat16():
@@ -100,5 +106,8 @@ def test_flash_model_logits_match_reference_in_bfloat16():
         decode_logits, cache = step(params, model, cache, decode)
         logits[backend] = (np.asarray(prefill_logits), np.asarray(decode_logits))
 
-    for flash, reference in zip(logits["flash"], logits["reference"], strict=True):
-        assert relative_error(flash, reference) < 1e-2
+    errors = [
+        relative_error(flash, reference)
+        for flash, reference in zip(logits["flash"], logits["reference"], strict=True)
+    ]
+    assert max(errors) < 1e-2, f"prefill, decode logits relative errors: {errors}"
