@@ -1,0 +1,197 @@
+"""Tensor parallelism on emulated CPU devices: sharded params, sharded loading, and logits under
+the mesh equal to the unsharded model's and to transformers'."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxllm.model.checkpoint import load_params, save_params
+from jaxllm.model.config import Qwen3Config
+from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.loader import load_hf_checkpoint
+from jaxllm.model.qwen3 import forward, init_params, sharded_forward
+from jaxllm.model.sharding import check_tensor_parallel, make_mesh
+
+from .conftest import VOCAB_SIZE, make_hf_model
+from .helpers import Chunk, build_inputs, relative_error
+
+# 8 query heads, 4 kv heads, head dim 64, hidden 128 (ffn 288), 2 layers.
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 8, 4, 64, 128, 2
+BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 8, 16, 4
+
+# Param path -> the axis sharded over "tp" (None: replicated), in the global shape.
+SHARDED_AXIS = {
+    ("embed",): 0,
+    ("lm_head",): 1,
+    ("final_norm", "scale"): None,
+    ("layers", "attn_norm", "scale"): None,
+    ("layers", "mlp_norm", "scale"): None,
+    ("layers", "attn", "q_norm", "scale"): None,
+    ("layers", "attn", "k_norm", "scale"): None,
+    ("layers", "attn", "q_proj"): 2,
+    ("layers", "attn", "k_proj"): 2,
+    ("layers", "attn", "v_proj"): 2,
+    ("layers", "attn", "o_proj"): 1,
+    ("layers", "mlp", "gate_proj"): 2,
+    ("layers", "mlp", "up_proj"): 2,
+    ("layers", "mlp", "down_proj"): 1,
+}
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def checkpoint(request, tmp_path_factory):
+    tied = request.param == "tied"
+    model = make_hf_model(tied, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS)
+    path = tmp_path_factory.mktemp(f"tp-{request.param}")
+    model.save_pretrained(path)
+    config, params = load_params(path, dtype="float32")
+    return path, model, config, params
+
+
+def leaves_by_path(params) -> dict[tuple[str, ...], jax.Array]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(key.key for key in path): leaf for path, leaf in flat}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_loaded_params_are_sharded_blocks_of_the_unsharded_ones(checkpoint, tp):
+    path, _, _, reference = checkpoint
+    _, params = load_params(path, dtype="float32", mesh=make_mesh(tp))
+
+    expected = leaves_by_path(reference)
+    assert set(leaves_by_path(params)) == set(expected)
+    for name, array in leaves_by_path(params).items():
+        axis = SHARDED_AXIS[name]
+        local_shape = list(array.shape)
+        if axis is not None:
+            local_shape[axis] //= tp
+        assert len(array.addressable_shards) == tp, name
+        for shard in array.addressable_shards:
+            assert shard.data.shape == tuple(local_shape), name
+            np.testing.assert_array_equal(shard.data, np.asarray(expected[name])[shard.index])
+
+
+def test_random_init_and_orbax_are_sharded_and_mesh_independent(tmp_path):
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=288,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    unsharded = init_params(config, seed=3)
+    sharded = init_params(config, seed=3, mesh=make_mesh(2))
+    q_proj = sharded["layers"]["attn"]["q_proj"]
+    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, HEADS // 2, HEAD_DIM)
+    jax.tree.map(np.testing.assert_array_equal, sharded, unsharded)
+
+    save_params(tmp_path / "ckpt", config, sharded)
+    _, restored = load_params(tmp_path / "ckpt", mesh=make_mesh(4))
+    down_proj = restored["layers"]["mlp"]["down_proj"]
+    assert down_proj.addressable_shards[0].data.shape == (LAYERS, 288 // 4, HIDDEN)
+    jax.tree.map(np.testing.assert_array_equal, restored, unsharded)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_sharded_loading_sends_each_device_its_block_only(tmp_path, monkeypatch, tp):
+    """The host builds and sends one device's block at a time (so host memory holds one block,
+    not a param or the model), and every device gets only its own blocks."""
+    ffn = 1024
+    model = make_hf_model(True, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS)
+    model.config.intermediate_size = ffn
+    transformers.Qwen3ForCausalLM(model.config).save_pretrained(tmp_path)
+    sent = []
+    device_put = jax.device_put
+
+    def recording_device_put(x, device=None, **kwargs):
+        sent.append((x.nbytes, device))
+        return device_put(x, device, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recording_device_put)
+    config, params = load_hf_checkpoint(tmp_path, progress=False, mesh=make_mesh(tp))
+    monkeypatch.undo()
+
+    stacked_ffn_bytes = LAYERS * ffn * HIDDEN * 4
+    model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    sharded_bytes = model_bytes - sum(
+        leaf.nbytes for name, leaf in leaves_by_path(params).items() if SHARDED_AXIS[name] is None
+    )
+    assert max(nbytes for nbytes, _ in sent) == stacked_ffn_bytes // tp
+    for device in jax.devices()[:tp]:
+        received = sum(nbytes for nbytes, target in sent if target == device)
+        assert received == (model_bytes - sharded_bytes) + sharded_bytes // tp
+    assert config.intermediate_size == ffn
+
+
+def test_tensor_parallel_size_must_divide_heads(tmp_path):
+    model = make_hf_model(True, 4, 2, HEAD_DIM, HIDDEN, LAYERS)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"num_heads \(4\) and num_kv_heads \(2\)"):
+        load_params(tmp_path, mesh=make_mesh(4))
+    config = Qwen3Config.from_hf(tmp_path)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match=r"num_heads \(4\) and num_kv_heads \(2\)"):
+        check_tensor_parallel(config, 8)
+    with pytest.raises(ValueError, match="needs that many devices, 4 available"):
+        make_mesh(8)
+
+
+def run_steps(step, params, cache, steps):
+    """Runs (inputs) steps through `step`; returns the logits of each as numpy."""
+    logits = []
+    for inputs in steps:
+        out, cache = step(params, cache, inputs)
+        logits.append(np.asarray(out))
+    return logits, cache
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp):
+    path, torch_model, config, params = checkpoint
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (13, 6)]
+    decoded = [rng.integers(0, VOCAB_SIZE, 3).tolist() for _ in prompts]
+    tables = [[3, 9, 1, 12], [7, 0, 5, 14]]
+    prefill = [Chunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    steps = [build_inputs(prefill, BLOCK_SIZE, 4, TABLE_WIDTH)]
+    for i in range(3):
+        chunks = [
+            Chunk([d[i]], len(p) + i, t) for p, d, t in zip(prompts, decoded, tables, strict=True)
+        ]
+        steps.append(build_inputs(chunks, BLOCK_SIZE, 1, TABLE_WIDTH, num_tiles=4))
+
+    unsharded = jax.jit(forward, static_argnums=1, donate_argnums=2)
+    cache = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE)
+    expected, _ = run_steps(
+        lambda *args: unsharded(args[0], config, *args[1:]), params, cache, steps
+    )
+
+    mesh = make_mesh(tp)
+    _, sharded_params = load_params(path, dtype="float32", mesh=mesh)
+    cache = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, mesh=mesh)
+    step = jax.jit(sharded_forward(config, mesh), donate_argnums=1)
+    got, cache = run_steps(step, sharded_params, cache, steps)
+
+    assert cache.keys.addressable_shards[0].data.shape == (
+        LAYERS,
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        KV_HEADS // tp,
+        HEAD_DIM,
+    )
+    for actual, reference in zip(got, expected, strict=True):
+        assert actual.shape == reference.shape
+        assert relative_error(actual, reference) <= 1e-5
+    # The last decode step against transformers over each whole sequence.
+    for row, (prompt, tokens) in enumerate(zip(prompts, decoded, strict=True)):
+        with torch.no_grad():
+            hf = torch_model(torch.tensor([prompt + tokens])).logits[0, -1].numpy()
+        assert relative_error(got[-1][row], hf) <= 1e-4
