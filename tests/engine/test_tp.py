@@ -1,0 +1,192 @@
+"""Tensor parallelism through the whole engine, on emulated CPU devices: greedy tokens at TP=2 and
+TP=4 equal TP=1's and transformers', with chunked prefill and prefix caching at work; and the
+same across two processes joined by `jax.distributed` (multi-controller, gloo collectives).
+
+Run as a script (`python tests/engine/test_tp.py --worker ...`) this file is one process of the
+two-process test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# 8 query heads, 4 kv heads, head dim 64, 2 layers, hidden 128 (ffn 288), an untied LM head.
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, VOCAB = 8, 4, 64, 128, 2, 256
+NUM_TOKENS = 10
+SETTINGS = dict(
+    kvcache_block_size=16,
+    max_num_batched_tokens=32,  # two prefill tiles of 16: prompts of 45+ tokens are chunked
+    max_num_seqs=4,
+    max_model_len=128,
+    num_kvcache_blocks=32,
+    dtype="float32",
+    enable_prefix_caching=True,
+    compile_at_startup=False,
+    compilation_cache_dir="",
+)
+
+
+def make_prompts() -> list[list[int]]:
+    """Three prompts sharing a 40-token prefix (two full blocks), and one unrelated prompt."""
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, VOCAB, 40).tolist()
+    shared = [prefix + rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 30)]
+    return [*shared, rng.integers(0, VOCAB, 9).tolist()]
+
+
+def generate(llm) -> list[list[int]]:
+    from jaxllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(make_prompts(), greedy, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """A transformers Qwen3 saved to disk, and its greedy tokens for `make_prompts()`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN + 32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn_like(param)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    path = tmp_path_factory.mktemp("tp-engine")
+    model.save_pretrained(path)
+    reference = []
+    with torch.no_grad():
+        for prompt in make_prompts():
+            tokens = list(prompt)
+            for _ in range(NUM_TOKENS):
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+            reference.append(tokens[len(prompt) :])
+    return path, reference
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
+    from jaxllm import LLM
+
+    path, reference = checkpoint
+    llm = LLM(str(path), tensor_parallel_size=tp, **SETTINGS)
+
+    assert generate(llm) == reference
+    stats = llm.cache_stats()
+    assert stats.num_hit_tokens >= 2 * 32  # the later shared-prefix prompts hit two blocks
+    assert llm.engine.scheduler_config.max_num_batched_tokens == 32  # prompts were chunked
+    params = llm.engine.runner.params
+    q_proj = params["layers"]["attn"]["q_proj"]
+    assert len(q_proj.addressable_shards) == tp
+    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, HEADS // tp, HEAD_DIM)
+    down_proj = params["layers"]["mlp"]["down_proj"]
+    assert down_proj.addressable_shards[0].data.shape == (LAYERS, (2 * HIDDEN + 32) // tp, HIDDEN)
+    assert params["embed"].addressable_shards[0].data.shape == (VOCAB // tp, HIDDEN)
+    assert params["lm_head"].addressable_shards[0].data.shape == (HIDDEN, VOCAB // tp)
+    keys = llm.engine.runner.kv_cache.keys
+    assert keys.addressable_shards[0].data.shape == (LAYERS, 32, 16, KV_HEADS // tp, HEAD_DIM)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_at_construction():
+    from jaxllm import LLM
+
+    # qwen3-tiny: 4 query heads, 2 kv heads.
+    with pytest.raises(ValueError, match=r"num_heads \(4\) and num_kv_heads \(2\)"):
+        LLM("random:qwen3-tiny", tensor_parallel_size=4, **SETTINGS)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_share_one_mesh(checkpoint, tmp_path):
+    """jax.distributed over two CPU processes of two devices each: one TP=4 mesh."""
+    import jax
+
+    if "jax_cpu_collectives_implementation" not in jax.config.values:
+        pytest.skip("this jax has no CPU collectives across processes (gloo)")
+    path, reference = checkpoint
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["JAX_PLATFORMS"] = "cpu"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(i), str(port), str(path), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    for worker in workers:
+        try:
+            logs.append(worker.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for other in workers:
+                other.kill()
+            pytest.fail("the two-process run timed out")
+    for worker, log in zip(workers, logs, strict=True):
+        assert worker.returncode == 0, log[-4000:]
+    for i in range(2):
+        result = json.loads((tmp_path / f"process{i}.json").read_text())
+        assert result["devices"] == 4 and result["local_devices"] == 2
+        assert result["q_proj_shards"] == [[LAYERS, HIDDEN, HEADS // 4, HEAD_DIM]] * 2
+        assert result["token_ids"] == reference
+
+
+def _worker(process_id: int, port: int, model: str, out: str) -> None:
+    """One process of `test_two_processes_share_one_mesh`."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
+    )
+    from jaxllm import LLM
+
+    llm = LLM(model, tensor_parallel_size=4, **SETTINGS)
+    token_ids = generate(llm)
+    q_proj = llm.engine.runner.params["layers"]["attn"]["q_proj"]
+    result = {
+        "devices": len(jax.devices()),
+        "local_devices": len(jax.local_devices()),
+        "q_proj_shards": [list(shard.data.shape) for shard in q_proj.addressable_shards],
+        "token_ids": token_ids,
+    }
+    (Path(out) / f"process{process_id}.json").write_text(json.dumps(result))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=4, metavar=("PROCESS_ID", "PORT", "MODEL", "OUT"))
+    args = parser.parse_args()
+    process_id, port, model, out = args.worker
+    _worker(int(process_id), int(port), model, out)
