@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxllm.model.attention import get_attention_backend
-from jaxllm.model.checkpoint import load_params
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward
 
@@ -74,12 +73,22 @@ def test_flash_matches_reference_attention(tile_size, count, max_start, max_new)
     )
 
 
-def test_flash_model_logits_match_reference_in_bfloat16():
+@pytest.mark.parametrize("num_layers", [4, 28])
+def test_flash_model_logits_match_reference_in_bfloat16(num_layers):
+    """Logits of the qwen3-0.6b shape (random weights, bf16): flash vs the portable backend.
+
+    Over all 28 layers, random bf16 weights drift further from float32 than 1e-2 on either
+    backend, so there flash must be as close to the float32 logits as the portable bf16 path is;
+    over 4 layers the two bf16 backends must agree within 1e-2.
+    """
     from jaxllm.model import flash_attention
+    from jaxllm.model.config import PRESETS
+    from jaxllm.model.qwen3 import init_params
 
     if not flash_attention.flash_available():
         pytest.skip("flash-attn3-jax is not installed")
-    config, params = load_params("random:qwen3-0.6b", dtype="bfloat16")
+    config = PRESETS["qwen3-0.6b"].replace(num_layers=num_layers, dtype="bfloat16")
+    params = init_params(config, seed=0)
     rng = np.random.default_rng(1)
     num_blocks = 64
     prompts = random_chunks(rng, 4, 0, 700, num_blocks)
@@ -87,13 +96,20 @@ def test_flash_model_logits_match_reference_in_bfloat16():
     prefill = build_inputs(prompts, BLOCK_SIZE, 128, table_width=8, sample_all=False)
     step = jax.jit(forward, static_argnums=1, donate_argnums=2)
 
+    params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     logits = {}
-    for backend in ("reference", "flash"):
-        cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE)
-        model = config.replace(attention_backend=backend)
-        prefill_logits, cache = step(params, model, cache, prefill)
-        # One decode step on top of the prefilled prompts.
-        tokens = np.asarray(jnp.argmax(prefill_logits, axis=-1))
+    for backend in ("reference", "flash", "float32"):
+        model, weights = config.replace(attention_backend=backend), params
+        if backend == "float32":
+            model = config.replace(attention_backend="reference", dtype="float32")
+            weights = params32
+        cache = allocate_kv_cache(model, num_blocks, BLOCK_SIZE)
+        # NOTE: float32 means float32 on a GPU, not TF32; the bf16 runs keep the default.
+        precision = "highest" if backend == "float32" else None
+        with jax.default_matmul_precision(precision):
+            prefill_logits, cache = step(weights, model, cache, prefill)
+        # One decode step on top of the prefilled prompts (the same tokens for every run).
+        tokens = [c.token_ids[0] for c in prompts]
         decode = build_inputs(
             [
                 Chunk([int(t)], len(c.token_ids), c.block_table)
@@ -103,11 +119,17 @@ def test_flash_model_logits_match_reference_in_bfloat16():
             1,
             table_width=8,
         )
-        decode_logits, cache = step(params, model, cache, decode)
+        with jax.default_matmul_precision(precision):
+            decode_logits, cache = step(weights, model, cache, decode)
         logits[backend] = (np.asarray(prefill_logits), np.asarray(decode_logits))
 
-    errors = [
-        relative_error(flash, reference)
-        for flash, reference in zip(logits["flash"], logits["reference"], strict=True)
-    ]
-    assert max(errors) < 1e-2, f"prefill, decode logits relative errors: {errors}"
+    def errors(a: str, b: str) -> list[float]:
+        return [relative_error(x, y) for x, y in zip(logits[a], logits[b], strict=True)]
+
+    flash_vs_reference = errors("flash", "reference")
+    flash_vs_f32, reference_vs_f32 = errors("flash", "float32"), errors("reference", "float32")
+    report = f"flash-ref {flash_vs_reference}, flash-f32 {flash_vs_f32}, ref-f32 {reference_vs_f32}"
+    if num_layers == 4:
+        assert max(flash_vs_reference) < 1e-2, report
+    for flash, reference in zip(flash_vs_f32, reference_vs_f32, strict=True):
+        assert flash < 1.25 * reference, report
