@@ -63,10 +63,10 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices.
 
     With several processes (`jax.distributed.initialize`), `jax.devices()` lists every
-    process's devices, so the mesh spans hosts.
+    process's devices, so the mesh spans hosts; every process must own some of its devices.
 
     Raises:
-        ValueError: fewer devices than `tensor_parallel_size`.
+        ValueError: fewer devices than `tensor_parallel_size`, or a process left out.
     """
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel_size < 1 or len(devices) < tensor_parallel_size:
@@ -80,7 +80,15 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
             f"tensor_parallel_size={tensor_parallel_size} needs that many devices, "
             f"{len(devices)} available{hint}"
         )
-    return Mesh(np.asarray(devices[:tensor_parallel_size]), (TP_AXIS,))
+    devices = devices[:tensor_parallel_size]
+    processes = {device.process_index for device in devices}
+    if len(processes) < jax.process_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} leaves out processes: the mesh has "
+            f"devices of {len(processes)} of the {jax.process_count()} processes, and every "
+            "process runs the same steps on its own devices (docs/multihost.md)"
+        )
+    return Mesh(np.asarray(devices), (TP_AXIS,))
 
 
 def check_tensor_parallel(config: Qwen3Config, tensor_parallel_size: int) -> None:
