@@ -46,31 +46,17 @@ def flash_attention(
     num_tiles = inputs.block_tables.shape[0]
     tile_size = num_tokens // num_tiles
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    work = num_tiles * num_kv_heads * max(1, tile_size // 64)
+    num_splits = int(min(16, max(1, 2 * _NUM_SMS // work)))
     # NOTE: an all-padding tile has no context; give it one position so no row is empty.
     context_lens = jnp.maximum(inputs.context_lens, 1)
-    if tile_size == 1 and group > 1:
-        # Decode: the Q query heads sharing a kv head become Q query rows of that kv head, all
-        # at the last position (no causal mask needed), so each kv head's pages are read once.
-        q_rows = q.reshape(num_tiles, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
-        out = _paged_attention(q_rows, k_cache, v_cache, context_lens, inputs, is_causal=False)
-        return out.transpose(0, 2, 1, 3).reshape(num_tokens, num_heads, head_dim)
-    q_tiles = q.reshape(num_tiles, tile_size, num_heads, head_dim)
-    out = _paged_attention(q_tiles, k_cache, v_cache, context_lens, inputs, is_causal=True)
-    return out.reshape(num_tokens, num_heads, head_dim)
-
-
-def _paged_attention(q, k_cache, v_cache, context_lens, inputs, *, is_causal: bool):
-    """FA3 over `q` [G, rows, heads, H] with the tiles' block tables and context lengths."""
-    num_tiles, rows, _, _ = q.shape
-    work = num_tiles * k_cache.shape[2] * max(1, rows // 64)
-    num_splits = int(min(16, max(1, 2 * _NUM_SMS // work)))
-    return flash_mha_with_kvcache(
-        q,
+    out = flash_mha_with_kvcache(
+        q.reshape(num_tiles, tile_size, num_heads, head_dim),
         k_cache,
         v_cache,
         cache_seqlens=context_lens,
         page_table=inputs.block_tables,
-        is_causal=is_causal,
+        is_causal=True,
         num_splits=num_splits,
     )
+    return out.reshape(num_tokens, num_heads, head_dim)
