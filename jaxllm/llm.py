@@ -127,7 +127,8 @@ class LLM:
         """Generates a completion for each prompt; returns them in prompt order.
 
         Args:
-            prompts: one string, a list of strings, one list of token ids, or a list of those.
+            prompts: one string, a list of strings, one list (or 1-d array) of token ids, or
+                a list (or any iterable) of those.
             sampling_params: one SamplingParams for all, or one per prompt; default
                 `SamplingParams()`.
             use_tqdm: show a progress bar with prefill and decode tokens/s.
@@ -222,8 +223,8 @@ class LLM:
             self._finished[output.request_id] = output
 
     def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
-        is_one_token_list = len(prompts) > 0 and all(_is_token_id(t) for t in prompts)
-        if isinstance(prompts, str) or is_one_token_list:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if prompts and all(_is_token_id(t) for t in prompts):
             prompts = [prompts]
         texts, token_lists = [], []
         for index, prompt in enumerate(prompts):

@@ -1,0 +1,130 @@
+"""The rest of the public API: stream, save, the one-call `jaxllm.generate`, prompt forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import LLM, SamplingParams
+
+from .conftest import BASE_SETTINGS, assert_idle, greedy_params
+
+PROMPT = "The capital of France is"
+
+
+def joined(deltas) -> tuple[str, list[int]]:
+    deltas = list(deltas)
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, stop=[" the", "ing "]),
+    ],
+    ids=["seeded", "greedy", "stop-strings"],
+)
+def test_stream_equals_generate(text_llm, params):
+    (output,) = text_llm.generate([PROMPT], params, use_tqdm=False)
+
+    deltas = list(text_llm.stream(PROMPT, params))
+
+    assert joined(deltas) == (output.text, output.token_ids)
+    assert len(deltas) >= len(output.token_ids)  # a delta per step
+    assert_idle(text_llm)
+
+
+def test_stream_holds_back_a_stop_string(text_llm):
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    (full,) = text_llm.generate([PROMPT], seeded, use_tqdm=False)
+    stop = full.text[len(full.text) // 2 :][:6]
+    stopped = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, stop=[stop])
+
+    texts = []
+    for delta in text_llm.stream(PROMPT, stopped):
+        texts.append(delta.text)
+        # No partial stop string is ever shown.
+        assert stop not in "".join(texts)
+    assert "".join(texts) == full.text[: full.text.index(stop)]
+
+
+def test_interleaved_streams_and_generate(text_llm):
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=n) for seed, n in [(1, 8), (2, 14)]
+    ]
+    expected = text_llm.generate([PROMPT, "Hello"], params, use_tqdm=False)
+
+    first, second = text_llm.stream(PROMPT, params[0]), text_llm.stream("Hello", params[1])
+    deltas = [next(first), next(second)]
+    # A generate call in between runs the streams' requests too and keeps their outputs.
+    (middle,) = text_llm.generate(["Paris"], greedy_params(5), use_tqdm=False)
+    streamed = [joined([deltas[0], *first]), joined([deltas[1], *second])]
+
+    assert streamed == [(o.text, o.token_ids) for o in expected]
+    assert len(middle.token_ids) == 5
+    assert_idle(text_llm)
+
+
+def test_closing_a_stream_aborts_its_request(text_llm):
+    stream = text_llm.stream(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    assert text_llm.engine.has_unfinished()
+    stream.close()
+    assert_idle(text_llm)
+    # A stream never started queues nothing.
+    text_llm.stream(PROMPT)
+    assert_idle(text_llm)
+
+
+def test_prompt_forms(llm):
+    tokens = [5, 6, 7, 8]
+    params = greedy_params(3)
+    expected = llm.generate([tokens], params, use_tqdm=False)[0].token_ids
+    forms = [tokens, np.array(tokens), [np.array(tokens)], (t for t in [tokens]), [tuple(tokens)]]
+    for form in forms:
+        outputs = llm.generate(form, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [expected]
+    assert llm.generate([], params, use_tqdm=False) == []
+    (text_output,) = llm.generate("\x05\x06", params, use_tqdm=False)
+    assert text_output.prompt == "\x05\x06"
+    assert text_output.prompt_token_ids == llm.tokenizer.encode("\x05\x06")
+
+
+def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
+    llm.save(tmp_path / "saved")
+
+    loaded = LLM(str(tmp_path / "saved"), **BASE_SETTINGS)
+
+    assert loaded.model_config == llm.model_config
+    assert loaded.engine.scheduler_config == llm.engine.scheduler_config
+    outputs = loaded.generate(greedy_prompts[:6], greedy_params(), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == greedy_reference[:6]
+    assert loaded.tokenizer.encode(PROMPT) == llm.tokenizer.encode(PROMPT)
+    assert loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    ) == llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_one_call_generate_reuses_its_engine(checkpoint, llm):
+    settings = BASE_SETTINGS | {"max_num_seqs": 4}
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
+    try:
+        first = jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **settings)
+        engine = jaxllm.llm._shared[0][1]
+        second = jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **settings)
+        assert jaxllm.llm._shared[0][1] is engine
+        assert engine.engine.stats.prefill.steps == 2
+        assert first[0].token_ids == second[0].token_ids
+        assert len(first[0].token_ids) == 6
+        # An LLM passed as the model is used as it is.
+        steps = llm.engine.stats.prefill.steps
+        jaxllm.generate([[1, 2, 3]], params, model=llm, use_tqdm=False)
+        assert llm.engine.stats.prefill.steps == steps + 1
+        assert jaxllm.llm._shared[0][1] is engine
+    finally:
+        jaxllm.llm._shared.clear()

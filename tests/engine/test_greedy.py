@@ -1,0 +1,86 @@
+"""Greedy outputs of the engine equal transformers' greedy `generate`, token for token, whatever
+the scheduler does: prefix caching on or off, chunked prefill, preemption; and prefix hits
+change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .conftest import BLOCK_SIZE, NUM_GREEDY_TOKENS, VOCAB_SIZE, assert_idle, greedy_params
+
+# name -> engine settings over BASE_SETTINGS
+SCHEDULES = {
+    "prefix-caching": {},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    # Chunks of 40 tokens in tiles of 8: chunk ends fall inside blocks of 16.
+    "chunked-prefill": {"max_num_batched_tokens": 40, "prefill_tile": 8},
+    # 32 blocks of 16 tokens: one max_model_len request, far less than the batch needs.
+    "preemption": {"num_kvcache_blocks": 32},
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_greedy_equals_transformers(schedule, make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm(**SCHEDULES[schedule])
+    preemptions = llm.engine.scheduler.num_preemptions
+    outputs = llm.generate(greedy_prompts, greedy_params(), use_tqdm=False)
+
+    for prompt, output, expected in zip(greedy_prompts, outputs, greedy_reference, strict=True):
+        assert output.prompt_token_ids == prompt
+        assert output.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert output.finish_reason == "length"
+    if schedule == "preemption":
+        assert llm.engine.scheduler.num_preemptions > preemptions
+    if schedule == "chunked-prefill":
+        assert llm.engine.stats.prefill.steps > sum(len(p) for p in greedy_prompts) // 40
+    assert_idle(llm)
+
+
+def test_prefix_hits_change_nothing(make_llm, checkpoint):
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, VOCAB_SIZE, 150).tolist()
+    prompts = [prefix + rng.integers(0, VOCAB_SIZE, n).tolist() for n in (1, 5, 16, 30, 41, 2)]
+    prompts.append(prefix[:100])  # a prompt inside the shared prefix
+    params = greedy_params(16)
+    cached_llm = make_llm()
+    uncached = make_llm(enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    hits_before = cached_llm.cache_stats().num_hit_tokens
+
+    first = cached_llm.generate(prompts, params, use_tqdm=False)
+    second = cached_llm.generate(prompts, params, use_tqdm=False)
+
+    assert [o.num_cached_tokens for o in uncached] == [0] * len(prompts)
+    # The first call: later prompts hit the prefix computed for earlier ones.
+    assert sum(o.num_cached_tokens > 0 for o in first) >= len(prompts) - 2
+    # The second call: every prompt hits its whole blocks but the last token's.
+    for prompt, output in zip(prompts, second, strict=True):
+        assert output.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    for prompt, a, b, c in zip(prompts, uncached, first, second, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.token_ids == checkpoint.greedy(prompt, 16)
+    stats = cached_llm.cache_stats()
+    assert stats.num_hit_tokens - hits_before == sum(o.num_cached_tokens for o in first + second)
+    assert 0 < stats.hit_rate <= 1
+    assert_idle(cached_llm)
+
+
+def test_max_model_len_caps_every_request(llm, checkpoint):
+    rng = np.random.default_rng(2)
+    long_prompt = rng.integers(0, VOCAB_SIZE, 500).tolist()
+    longest_prompt = rng.integers(0, VOCAB_SIZE, 511).tolist()
+    outputs = llm.generate([long_prompt, longest_prompt], greedy_params(100), use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [12, 1]
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert outputs[0].token_ids == checkpoint.greedy(long_prompt, 12)
+
+
+def test_metrics_and_item_access(llm, greedy_prompts, greedy_reference):
+    (output,) = llm.generate([greedy_prompts[3]], greedy_params(), use_tqdm=False)
+    assert output["text"] == output.text
+    assert output["token_ids"] == output.token_ids == greedy_reference[3]
+    assert output["finish_reason"] == "length"
+    with pytest.raises(KeyError):
+        output["no such field"]
+    assert 0 < output.metrics.time_to_first_token <= output.metrics.total_time
+    assert len(output.token_ids) == NUM_GREEDY_TOKENS

@@ -1,0 +1,135 @@
+"""Sampling through the whole engine: the first token's empirical distribution over 2,000 seeds
+matches the exact one computed from transformers' logits, and seeds make requests reproducible
+whatever else is in the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+
+from .conftest import BASE_SETTINGS, VOCAB_SIZE, assert_idle
+
+NUM_SEEDS = 2000
+TEMPERATURE = 0.4
+
+
+def exact_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The distribution jaxllm/model/sampler.py documents, in float64: temperature, then top-k,
+    then top-p on what top-k left (the boundary token kept), then min-p against the top token."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.ones_like(probs, bool)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        kept_sorted = np.where(keep, probs, 0.0)[order]
+        kept_sorted /= kept_sorted.sum()
+        mass_before = np.concatenate([[0.0], np.cumsum(kept_sorted)[:-1]])
+        keep[order[mass_before >= top_p]] = False
+    keep &= probs >= min_p * probs.max()
+    result = np.where(keep, probs, 0.0)
+    return result / result.sum()
+
+
+def midpoint_settings(logits) -> dict[str, dict]:
+    """Filter settings, each keeping a different number of tokens, whose boundaries sit in wide
+    gaps between two tokens, far from any rounding difference between jaxllm's and transformers'
+    logits."""
+    scaled = np.sort(np.asarray(logits) / TEMPERATURE)[::-1]
+    probs = np.exp(scaled - scaled[0])
+    probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    gaps = -np.diff(scaled)
+
+    def last_kept(low: int, high: int) -> int:
+        """The index in [low, high) of the widest gap after it: the last token a filter keeps."""
+        index = low + int(np.argmax(gaps[low:high]))
+        assert gaps[index] > 1e-3
+        return index
+
+    k, p, m, kp = last_kept(1, 4), last_kept(4, 8), last_kept(8, 14), last_kept(9, 16)
+    return {
+        "temperature": {},
+        "top_k": {"top_k": k + 1},
+        "top_p": {"top_p": float((cumulative[p - 1] + cumulative[p]) / 2)},
+        "min_p": {"min_p": float((probs[m] + probs[m + 1]) / 2 / probs[0])},
+        # Top-p over the top-(kp + 1) distribution keeps kp tokens (over the full one: fewer).
+        "top_k_top_p": {
+            "top_k": kp + 1,
+            "top_p": float((cumulative[kp - 2] + cumulative[kp - 1]) / 2 / cumulative[kp]),
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def first_tokens(llm, checkpoint):
+    """For each filter: its settings, the exact distribution and 2,000 seeded first tokens."""
+    prompt = np.random.default_rng(3).integers(0, VOCAB_SIZE, 20).tolist()
+    logits = checkpoint.last_logits(prompt)
+    settings = midpoint_settings(logits)
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_tokens=1, seed=index * NUM_SEEDS + i, **filters)
+        for index, filters in enumerate(settings.values())
+        for i in range(NUM_SEEDS)
+    ]
+    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    assert_idle(llm)
+    tokens = np.array([o.token_ids for o in outputs]).reshape(len(settings), NUM_SEEDS)
+    return {
+        name: (filters, exact_distribution(logits, TEMPERATURE, **filters), tokens[index])
+        for index, (name, filters) in enumerate(settings.items())
+    }
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p", "top_k_top_p"])
+def test_first_token_distribution(first_tokens, name):
+    filters, expected, tokens = first_tokens[name]
+    if name != "temperature":
+        assert 2 <= np.count_nonzero(expected) <= 16, filters
+
+    outside = set(tokens.tolist()) - set(np.flatnonzero(expected).tolist())
+    assert not outside, f"tokens outside the allowed set: {sorted(outside)}"
+    empirical = np.bincount(tokens, minlength=VOCAB_SIZE) / len(tokens)
+    tv = 0.5 * np.abs(empirical - expected).sum()
+    # What a correct sampler of NUM_SEEDS draws shows.
+    simulated = np.random.default_rng(0).multinomial(len(tokens), expected, size=2000)
+    simulated_tv = 0.5 * np.abs(simulated / len(tokens) - expected).sum(axis=1)
+    bound = np.quantile(simulated_tv, 0.999)
+    assert tv <= bound, f"TV {tv:.4f} > {bound:.4f} (a correct sampler: {simulated_tv.mean():.4f})"
+
+
+def test_seeded_request_ignores_its_batch(llm):
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, VOCAB_SIZE, 37).tolist()
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    others = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (5, 80, 1, 140, 19)]
+    other_params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+
+    (alone,) = llm.generate([prompt], seeded, use_tqdm=False)
+    batch = llm.generate(
+        [*others[:3], prompt, *others[3:]],
+        [*[other_params] * 3, seeded, *[other_params] * 2],
+        use_tqdm=False,
+    )
+    assert batch[3].token_ids == alone.token_ids
+    assert len(alone.token_ids) == 16
+    # Unseeded requests draw streams of their own: not all equal to each other.
+    unseeded = llm.generate([prompt] * 4, other_params, use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1
+
+
+def test_engine_seed_makes_unseeded_requests_reproducible(checkpoint):
+    prompt = list(range(30))
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = [
+        LLM(str(checkpoint.path), **(BASE_SETTINGS | {"seed": 5})).generate(
+            [prompt] * 3, params, use_tqdm=False
+        )
+        for _ in range(2)
+    ]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert len({tuple(o.token_ids) for o in runs[0]}) == 3
