@@ -129,7 +129,7 @@ class Engine:
             model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
         )
         self.model_config = model_config.replace(
-            attention_backend=self._attention_backend(config.attention_backend)
+            attention_backend=self._attention_backend(config)
         )
         is_random = model_path.startswith(RANDOM_PREFIX)
         self.tokenizer = load_tokenizer(None if is_random else model_path)
@@ -179,10 +179,16 @@ class Engine:
         self._requests: dict[int, _Request] = {}
 
     @staticmethod
-    def _attention_backend(name: str) -> str:
-        if name != "auto":
-            return name
-        if flash_available():
+    def _attention_backend(config: EngineConfig) -> str:
+        """The backend "auto" stands for: FlashAttention-3 where it runs, else the portable one.
+
+        NOTE: with jax 0.11.2 on two H200s (2026-11-30), XLA crashed (segfault) compiling the
+        FA3 custom call inside shard_map, so tensor parallelism keeps the portable backend
+        until that is resolved; "flash" can still be asked for by name.
+        """
+        if config.attention_backend != "auto":
+            return config.attention_backend
+        if flash_available() and config.tensor_parallel_size == 1:
             return "flash"
         return "reference"
 
