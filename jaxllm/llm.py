@@ -217,10 +217,13 @@ class LLM:
 
     # Internals.
 
-    def _step(self) -> None:
-        """Runs one engine step; files the outputs it finished under `_finished`."""
-        for output in self.engine.step():
+    def _step(self) -> list[int]:
+        """Runs one engine step; files the outputs it finished under `_finished`, returns their
+        request ids."""
+        finished = self.engine.step()
+        for output in finished:
             self._finished[output.request_id] = output
+        return [output.request_id for output in finished]
 
     def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -285,6 +288,7 @@ class LLM:
         engine = self.engine
         before = dataclasses.replace(engine.stats.prefill), dataclasses.replace(engine.stats.decode)
         ids = self._add_all(texts, token_lists, params)
+        pending = set(ids)
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
@@ -292,7 +296,7 @@ class LLM:
                 step_start = time.perf_counter()
                 prefill_tokens = engine.stats.prefill.tokens
                 decode_tokens = engine.stats.decode.tokens
-                self._step()
+                finished_ids = self._step()
                 elapsed = time.perf_counter() - step_start
                 if use_tqdm:
                     prefill = engine.stats.prefill.tokens - prefill_tokens
@@ -301,10 +305,9 @@ class LLM:
                         bar.set_postfix_str(f"Prefill: {prefill / elapsed:,.0f}tok/s", False)
                     elif decode:
                         bar.set_postfix_str(f"Decode: {decode / elapsed:,.0f}tok/s", False)
-                for request_id in ids:
-                    output = self._finished.pop(request_id, None)
-                    if output is not None:
-                        outputs[request_id] = output
+                for request_id in finished_ids:
+                    if request_id in pending:
+                        outputs[request_id] = self._finished.pop(request_id)
                         bar.update(1)
                 if len(outputs) < len(ids) and not engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")

@@ -15,8 +15,9 @@ SCHEDULES = {
     "no-prefix-caching": {"enable_prefix_caching": False},
     # Chunks of 40 tokens in tiles of 8: chunk ends fall inside blocks of 16.
     "chunked-prefill": {"max_num_batched_tokens": 40, "prefill_tile": 8},
-    # 32 blocks of 16 tokens: one max_model_len request, far less than the batch needs.
-    "preemption": {"num_kvcache_blocks": 32},
+    # 32 blocks of 16 tokens: one max_model_len request, far less than the batch needs; MRU
+    # eviction, unlike the default LRU, drops the blocks just freed by preemption first.
+    "preemption": {"num_kvcache_blocks": 32, "eviction_policy": "mru"},
 }
 
 
