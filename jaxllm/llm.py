@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ class LLM:
     Mutates: `generate`, `chat` and `stream` run the engine (its KV cache and prefix cache).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         if "gpu_memory_utilization" in kwargs:
             if "memory_fraction" in kwargs:
                 raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
@@ -61,7 +62,7 @@ class LLM:
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "num_kvcache_blocks"}
         if model is None:
             kwargs = default_engine_kwargs() | kwargs
-        self.config = EngineConfig(model=model or default_model(), **kwargs)
+        self.config = EngineConfig(model=os.fspath(model) if model else default_model(), **kwargs)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
@@ -202,6 +203,8 @@ class LLM:
                         output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
                     )
                     return
+                if seq.is_finished:
+                    raise RuntimeError(f"request {request_id} was aborted")
                 new_tokens = seq.output_token_ids[num_sent_tokens:]
                 if not new_tokens:
                     continue
@@ -348,7 +351,7 @@ def generate(
     prompts: Prompt | Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
-    model: LLM | str | None = None,
+    model: LLM | str | os.PathLike | None = None,
     use_tqdm: bool = True,
     **engine_kwargs: Any,
 ) -> list[RequestOutput]:

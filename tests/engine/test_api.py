@@ -77,6 +77,14 @@ def test_closing_a_stream_aborts_its_request(text_llm):
     # A stream never started queues nothing.
     text_llm.stream(PROMPT)
     assert_idle(text_llm)
+    # A stream whose request is aborted from outside ends with an error, never hangs.
+    stream = text_llm.stream(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    (request_id,) = text_llm.engine._requests
+    text_llm.engine.abort(request_id)
+    with pytest.raises(RuntimeError, match="was aborted"):
+        next(stream)
+    assert_idle(text_llm)
 
 
 def test_prompt_forms(llm):
@@ -96,7 +104,7 @@ def test_prompt_forms(llm):
 def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
     llm.save(tmp_path / "saved")
 
-    loaded = LLM(str(tmp_path / "saved"), **BASE_SETTINGS)
+    loaded = LLM(tmp_path / "saved", **BASE_SETTINGS)  # a path object works too
 
     assert loaded.model_config == llm.model_config
     assert loaded.engine.scheduler_config == llm.engine.scheduler_config
