@@ -4,9 +4,10 @@ scheduler and the padded batch descriptors it hands to the device."""
 from jaxllm.sched.batch import BatchBuilder, BatchDescriptor, BucketLadder, BucketShape
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.scheduler import ScheduledBatch, Scheduler
-from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus
+from jaxllm.sched.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 __all__ = [
+    "PLACEHOLDER",
     "BatchBuilder",
     "BatchDescriptor",
     "BucketLadder",

@@ -187,28 +187,35 @@ class Scheduler:
     def update(
         self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int] | np.ndarray
     ) -> list[Sequence]:
-        """Records a step's results; returns the sequences it finished.
+        """Records a step's results; returns the sequences it finished (`commit` + `apply`).
 
         Args:
             batch: what `schedule()` returned for this step.
             sampled_token_ids: [S >= batch.num_seqs] the step's sampled tokens in row order;
                 rows past num_seqs (padding) and rows of unfinished prefill chunks are ignored.
-
-        Mutates: advances each sequence's computed tokens, enters newly full blocks into the
-        prefix cache, appends tokens, and finishes sequences that hit a stop condition. A
-        sequence finished or aborted since `schedule()` is skipped.
         """
-        tokens = np.asarray(sampled_token_ids)[: batch.num_seqs].tolist()
+        finished = self.commit(batch)
+        finished += [seq for seq in self.apply(batch, sampled_token_ids) if seq not in finished]
+        return finished
+
+    def commit(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Records what a step computed before its sampled tokens are known.
+
+        The engine calls it right after dispatching the step, so the next step can be scheduled
+        while this one runs on the device; `apply` later gives the tokens their values. Between
+        the two, each appending sequence ends in a `PLACEHOLDER` token, which the next step's
+        descriptor reads from the device instead. Call `apply` for the previous step first, so
+        every token this step computed is known when its blocks are hashed.
+
+        Mutates: advances each running sequence's computed tokens, enters newly full blocks into
+        the prefix cache, appends placeholders, and finishes (frees) the sequences that reach
+        their max_tokens. Returns those.
+        """
         size = self.config.block_size
         caching = self.config.enable_prefix_caching
         finished: list[Sequence] = []
-        for seq, start, count, append, token in zip(
-            batch.seqs,
-            batch.start_positions,
-            batch.num_new_tokens,
-            batch.appends,
-            tokens,
-            strict=True,
+        for seq, start, count, append in zip(
+            batch.seqs, batch.start_positions, batch.num_new_tokens, batch.appends, strict=True
         ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -221,22 +228,40 @@ class Scheduler:
                 )
             if not append:
                 continue
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._release(seq, reason)
+            seq.append_placeholder()
+            if seq.num_output_tokens >= seq.max_tokens:
+                self._release(seq, "length")
                 finished.append(seq)
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        num_output = seq.num_tokens - seq.num_prompt_tokens
-        if token in seq.stop_token_ids and num_output >= seq.params.min_tokens:
-            return "stop"
-        if num_output >= seq.max_tokens:
-            return "length"
-        return None
+    def apply(
+        self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int] | np.ndarray
+    ) -> list[Sequence]:
+        """Gives the placeholders of a committed step their sampled values; returns the
+        sequences that a stop token finished.
+
+        Every sequence that `commit` gave a placeholder gets its value, also one preempted,
+        finished or aborted since: a preempted one keeps it and prefills it on resumption.
+        A stop token (eos unless ignored, or a stop_token_id, once min_tokens are out) finishes
+        a live sequence with "stop", and turns a "length" finish on the same token into "stop".
+        """
+        tokens = np.asarray(sampled_token_ids)[: batch.num_seqs].tolist()
+        finished: list[Sequence] = []
+        for seq, append, token in zip(batch.seqs, batch.appends, tokens, strict=True):
+            if not append or seq.pending_index is None:
+                continue
+            num_output = seq.fill_placeholder(token) + 1
+            if token not in seq.stop_token_ids or num_output < seq.params.min_tokens:
+                continue
+            if seq.is_finished:
+                if seq.finish_reason == "length":
+                    seq.finish_reason = "stop"
+            else:
+                self.finish(seq, "stop")
+                finished.append(seq)
+        return finished
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         cfg = self.config

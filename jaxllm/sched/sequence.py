@@ -11,6 +11,9 @@ from jaxllm.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# The value of a sampled token still on the device (see `Scheduler.commit`).
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted; holds no blocks
@@ -55,6 +58,7 @@ class Sequence:
         "num_tokens",
         "output_token_ids",
         "params",
+        "pending_index",
         "seq_id",
         "status",
         "stop_token_ids",
@@ -87,6 +91,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.pending_index: int | None = None
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -113,6 +118,22 @@ class Sequence:
         self.num_tokens += 1
         self.last_token_id = token_id
         self.output_token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """Appends a token whose value the device has not returned yet (`PLACEHOLDER`)."""
+        self.pending_index = self.num_tokens
+        self.append_token(PLACEHOLDER)
+
+    def fill_placeholder(self, token_id: int) -> int:
+        """Gives the pending placeholder its value; returns its output index (0-based)."""
+        index = self.pending_index
+        self.pending_index = None
+        self._tokens[index] = token_id
+        output_index = index - self.num_prompt_tokens
+        self.output_token_ids[output_index] = token_id
+        if index == self.num_tokens - 1:
+            self.last_token_id = token_id
+        return output_index
 
     def __repr__(self) -> str:
         return (
