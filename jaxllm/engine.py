@@ -24,6 +24,7 @@ from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import BatchBuilder, Scheduler, SchedulerConfig, Sequence
+from jaxllm.sched.batch import BucketShape
 from jaxllm.tokenizer import IncrementalDetokenizer, decode_tokens, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class Engine:
         self.compilations_at_startup = COMPILATIONS.count
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
+        self._compiled_lazily: set[BucketShape] = set()
 
     @staticmethod
     def _attention_backend(config: EngineConfig) -> str:
@@ -266,6 +268,11 @@ class Engine:
             return []
         start = time.perf_counter()
         descriptor = self.batch_builder.build(scheduled)
+        if not self.config.compile_at_startup and descriptor.shape not in self._compiled_lazily:
+            # NOTE: compiled here, as expected, so the runner warns only about a shape that a
+            # ladder compiled at start-up missed.
+            self.runner.compile([descriptor.shape], use_tqdm=False)
+            self._compiled_lazily.add(descriptor.shape)
         tokens = np.asarray(self.runner.execute(descriptor))
         finished = self.scheduler.update(scheduled, tokens)
         now = time.perf_counter()
