@@ -13,10 +13,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--compile-at-startup",
+        action="store_true",
+        help="compile every bucket of the ladder first (default: only the buckets these "
+        "prompts need, as they come: far quicker for a few prompts)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"tensor_parallel_size": args.tp}
+    kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
     if args.max_model_len is not None:
