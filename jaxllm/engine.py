@@ -344,9 +344,14 @@ def default_model() -> str:
 def default_engine_kwargs() -> dict:
     """Engine settings of the embedded default: the LLM defaults on a GPU, lighter on a CPU.
 
-    On a CPU each bucket of the ladder takes about half a second to compile; these settings keep
-    the start-up of a demo under half a minute.
+    On a CPU each bucket of the ladder takes about half a second to compile: a smaller ladder,
+    compiled bucket by bucket as requests need them (a demo's few prompts need a few).
     """
     if is_gpu():
         return {}
-    return {"max_num_seqs": 16, "max_model_len": 1024, "max_num_batched_tokens": 1024}
+    return {
+        "max_num_seqs": 16,
+        "max_model_len": 1024,
+        "max_num_batched_tokens": 1024,
+        "compile_at_startup": False,
+    }

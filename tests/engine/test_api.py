@@ -136,3 +136,16 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
         assert jaxllm.llm._shared[0][1] is engine
     finally:
         jaxllm.llm._shared.clear()
+
+
+def test_one_call_generate_with_the_embedded_default():
+    try:
+        (output,) = jaxllm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        llm = jaxllm.llm._shared[0][1]
+        assert llm.config.model == "random:qwen3-tiny"
+        # The CPU defaults: a small ladder, compiled as requests need it.
+        assert (llm.config.max_num_seqs, llm.config.compile_at_startup) == (16, False)
+        assert llm.num_executables <= 4
+        assert len(output.token_ids) == 2
+    finally:
+        jaxllm.llm._shared.clear()
