@@ -129,9 +129,7 @@ class Engine:
         model_config, params = load_params(
             model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
         )
-        self.model_config = model_config.replace(
-            attention_backend=self._attention_backend(config)
-        )
+        self.model_config = model_config.replace(attention_backend=self._attention_backend(config))
         is_random = model_path.startswith(RANDOM_PREFIX)
         self.tokenizer = load_tokenizer(None if is_random else model_path)
         # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
