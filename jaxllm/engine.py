@@ -23,7 +23,14 @@ from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import BatchBuilder, Scheduler, SchedulerConfig, Sequence
+from jaxllm.sched import (
+    PLACEHOLDER,
+    BatchBuilder,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+)
 from jaxllm.sched.batch import BucketShape
 from jaxllm.tokenizer import IncrementalDetokenizer, decode_tokens, load_tokenizer
 
@@ -42,6 +49,15 @@ class _Request:
     metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer | None = None  # only for requests with stop strings
     stop_text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    tokens: jax.Array  # [max_sampled_rows] on the device
+    finished: list[Sequence]  # finished by `commit` (max_tokens), awaiting their last token
 
 
 @dataclass
@@ -166,7 +182,14 @@ class Engine:
             self.scheduler_config, one_width=self.model_config.attention_backend == "flash"
         )
         self.runner = ModelRunner(
-            self.model_config, params, num_blocks=num_blocks, block_size=block_size, mesh=self.mesh
+            self.model_config,
+            params,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_sampled_rows=max(
+                shape.num_sampled for shape in self.batch_builder.ladder.all_shapes()
+            ),
+            mesh=self.mesh,
         )
         self.compile_seconds = 0.0
         if config.compile_at_startup:
@@ -176,6 +199,7 @@ class Engine:
         self.compilations_at_startup = COMPILATIONS.count
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
+        self._in_flight: _InFlight | None = None
         self._compiled_lazily: set[BucketShape] = set()
 
     @staticmethod
@@ -254,33 +278,75 @@ class Engine:
         """The scheduler's live `Sequence` of a request (read it, never mutate it)."""
         return self._requests[request_id].seq
 
+    def has_request(self, request_id: int) -> bool:
+        """Whether the request is queued, running or finished with its output not yet returned."""
+        return request_id in self._requests
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # The step.
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the requests it finished."""
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        start = time.perf_counter()
-        descriptor = self.batch_builder.build(scheduled)
-        if not self.config.compile_at_startup and descriptor.shape not in self._compiled_lazily:
-            # NOTE: compiled here, as expected, so the runner warns only about a shape that a
-            # ladder compiled at start-up missed.
-            self.runner.compile([descriptor.shape], use_tqdm=False)
-            self._compiled_lazily.add(descriptor.shape)
-        tokens = np.asarray(self.runner.execute(descriptor))
-        finished = self.scheduler.update(scheduled, tokens)
-        now = time.perf_counter()
-        kind = self.stats.prefill if scheduled.is_prefill else self.stats.decode
-        kind.tokens += scheduled.num_tokens
-        kind.seconds += now - start
-        kind.steps += 1
+        """Dispatches the next step, then reads the previous one's tokens; returns the outputs
+        of the requests that finished.
 
+        The host is one step ahead of the device: it schedules and dispatches step N while step
+        N-1 still runs, then reads N-1's tokens (`Scheduler.apply`) and records what N computed
+        (`Scheduler.commit`). Step N reads the tokens it needs from N-1's result on the device.
+        So outputs arrive one call after their last step; a call with nothing left to schedule
+        just reads the last step.
+        """
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        tokens = None
+        if scheduled is not None:
+            descriptor = self.batch_builder.build(scheduled)
+            if not self.config.compile_at_startup and descriptor.shape not in self._compiled_lazily:
+                # NOTE: compiled here, as expected, so the runner warns only about a shape that a
+                # ladder compiled at start-up missed.
+                self.runner.compile([descriptor.shape], use_tqdm=False)
+                self._compiled_lazily.add(descriptor.shape)
+            previous = self._in_flight
+            tokens = self.runner.execute(
+                descriptor,
+                previous.tokens if previous is not None else None,
+                self._source_rows(descriptor, previous),
+            )
+        finished = self._apply_in_flight()
+        if scheduled is not None:
+            self._in_flight = _InFlight(scheduled, tokens, self.scheduler.commit(scheduled))
+            kind = self.stats.prefill if scheduled.is_prefill else self.stats.decode
+            kind.tokens += scheduled.num_tokens
+            kind.seconds += time.perf_counter() - start
+            kind.steps += 1
+        return finished
+
+    @staticmethod
+    def _source_rows(descriptor, previous: _InFlight | None) -> np.ndarray | None:
+        """[T] the previous step's row each placeholder input reads (-1: none), or None."""
+        rows = np.flatnonzero(descriptor.token_ids == PLACEHOLDER)
+        if len(rows) == 0:
+            return None
+        row_of = {seq.seq_id: row for row, seq in enumerate(previous.batch.seqs)}
+        sources = np.full(descriptor.token_ids.shape, -1, np.int32)
+        sources[rows] = [row_of[descriptor.seqs[row].seq_id] for row in rows]
+        return sources
+
+    def _apply_in_flight(self) -> list[RequestOutput]:
+        """Reads the in-flight step's tokens (waits for them), applies them and stop strings;
+        returns the outputs of the requests that finished."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        batch = in_flight.batch
+        tokens = np.asarray(in_flight.tokens)
+        finished = in_flight.finished + [
+            seq for seq in self.scheduler.apply(batch, tokens) if seq not in in_flight.finished
+        ]
+        now = time.perf_counter()
         finished_ids = {seq.seq_id for seq in finished}
-        for seq, appended in zip(scheduled.seqs, scheduled.appends, strict=True):
+        for seq, appended in zip(batch.seqs, batch.appends, strict=True):
             request = self._requests.get(seq.seq_id)
             if request is None or not appended:
                 continue
@@ -292,7 +358,7 @@ class Engine:
                 if seq.seq_id not in finished_ids:
                     finished.append(seq)
                     finished_ids.add(seq.seq_id)
-        return [self._output(seq, now) for seq in finished]
+        return [self._output(seq, now) for seq in finished if seq.seq_id in self._requests]
 
     def _hit_stop_string(self, request: _Request) -> bool:
         """Feeds the newest token to the request's detokenizer; True once a stop string shows."""

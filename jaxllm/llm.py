@@ -203,9 +203,9 @@ class LLM:
                         output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
                     )
                     return
-                if seq.is_finished:
+                if not self.engine.has_request(request_id):
                     raise RuntimeError(f"request {request_id} was aborted")
-                new_tokens = seq.output_token_ids[num_sent_tokens:]
+                new_tokens = seq.known_output_token_ids[num_sent_tokens:]
                 if not new_tokens:
                     continue
                 num_sent_tokens += len(new_tokens)

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
@@ -80,6 +81,23 @@ def _sampling_inputs(num_rows: int, sharding: NamedSharding) -> SamplingInputs:
     )
 
 
+def _forward_step(forward_fn, params, kv_cache, inputs, previous_tokens, source_rows):
+    """The model step, its placeholder token ids first replaced by the previous step's samples.
+
+    The host schedules step N+1 before it has read step N's tokens (`Scheduler.commit`); rows
+    whose input is such a token name its row in `previous_tokens` in `source_rows`.
+    """
+    from_previous = previous_tokens[jnp.maximum(source_rows, 0)]  # [T]
+    token_ids = jnp.where(source_rows >= 0, from_previous, inputs.token_ids)
+    return forward_fn(params, kv_cache, inputs.replace(token_ids=token_ids))
+
+
+def _sample_step(logits, sampling, *, num_rows: int):
+    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
+    tokens = sample(logits, sampling)
+    return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
+
+
 class ModelRunner:
     """Owns the params, the KV cache and the compiled executables.
 
@@ -87,6 +105,7 @@ class ModelRunner:
         config: the model.
         params: the param tree, sharded over `mesh` (`load_params(..., mesh=mesh)`).
         num_blocks, block_size: the KV cache's capacity.
+        max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
         mesh: the "tp" mesh (`sharding.make_mesh`); default the first device alone.
 
     `execute` mutates `kv_cache`: it is replaced by the step's in-place-updated buffer.
@@ -99,6 +118,7 @@ class ModelRunner:
         *,
         num_blocks: int,
         block_size: int,
+        max_sampled_rows: int,
         mesh: Mesh | None = None,
     ) -> None:
         self.config = config
@@ -107,8 +127,17 @@ class ModelRunner:
         self.block_size = block_size
         self.mesh = mesh or make_mesh(1)
         self._replicated = replicated(self.mesh)
-        self._forward = jax.jit(sharded_forward(config, self.mesh), donate_argnums=1)
-        self._sample = jax.jit(sample, out_shardings=self._replicated)
+        self.max_sampled_rows = max_sampled_rows
+        self._forward = jax.jit(
+            functools.partial(_forward_step, sharded_forward(config, self.mesh)),
+            donate_argnums=1,
+        )
+        self._sample = jax.jit(
+            functools.partial(_sample_step, num_rows=max_sampled_rows),
+            out_shardings=self._replicated,
+        )
+        # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
+        self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, mesh=self.mesh)
         self._forward_executables: dict[BucketShape, jax.stages.Compiled] = {}
         self._sample_executables: dict[int, jax.stages.Compiled] = {}
@@ -137,14 +166,37 @@ class ModelRunner:
                 lowered = self._sample.lower(logits, _sampling_inputs(num_rows, self._replicated))
                 self._sample_executables[num_rows] = lowered.compile()
                 bar.update(1)
+            previous = jax.ShapeDtypeStruct(
+                (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
+            )
             for shape in shapes:
                 inputs = _model_inputs(shape, self._replicated)
-                lowered = self._forward.lower(self.params, cache, inputs)
+                sources = jax.ShapeDtypeStruct(
+                    (shape.num_tokens,), jnp.int32, sharding=self._replicated
+                )
+                lowered = self._forward.lower(self.params, cache, inputs, previous, sources)
                 self._forward_executables[shape] = lowered.compile()
                 bar.update(1)
 
-    def execute(self, batch: BatchDescriptor) -> jax.Array:
-        """Runs one step; returns the sampled tokens [S] as a device array (not yet on host)."""
+    def execute(
+        self,
+        batch: BatchDescriptor,
+        previous_tokens: jax.Array | None = None,
+        source_rows: np.ndarray | None = None,
+    ) -> jax.Array:
+        """Dispatches one step; returns its sampled tokens without waiting for them.
+
+        Args:
+            batch: the step's descriptor.
+            previous_tokens: [max_sampled_rows] the previous step's result (a device array),
+                from which rows holding a placeholder token take their input.
+            source_rows: [T] the row of `previous_tokens` each token row takes, or -1 to keep
+                its own token id.
+
+        Returns:
+            [max_sampled_rows] int32 sampled tokens on the device; rows past the bucket's
+            sampled rows are 0.
+        """
         shape = batch.shape
         if shape not in self._forward_executables:
             logger.warning("compiling bucket %s while serving", shape)
@@ -158,9 +210,16 @@ class ModelRunner:
             seeds=batch.seeds,
             steps=batch.sample_steps,
         )
+        if previous_tokens is None:
+            previous_tokens = self._no_tokens
+        if source_rows is None:
+            source_rows = np.full(shape.num_tokens, -1, np.int32)
         if jax.process_count() > 1:
             inputs, sampling = self._global(inputs), self._global(sampling)
-        logits, self.kv_cache = self._forward_executables[shape](self.params, self.kv_cache, inputs)
+            source_rows = self._global(source_rows)
+        logits, self.kv_cache = self._forward_executables[shape](
+            self.params, self.kv_cache, inputs, previous_tokens, source_rows
+        )
         return self._sample_executables[shape.num_sampled](logits, sampling)
 
     def _global(self, tree: Any) -> Any:

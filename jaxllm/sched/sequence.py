@@ -37,7 +37,10 @@ class Sequence:
             before that.
         block_table: the ids of the KV blocks holding the sequence, in order.
         block_hashes: chained hashes of the sequence's full blocks computed so far.
-        output_token_ids: the generated tokens.
+        output_token_ids: the generated tokens; the last may be a `PLACEHOLDER` (see
+            `pending_index`).
+        pending_index: the index in the tokens of the one token still on the device (appended
+            by `Scheduler.commit`, given its value by `Scheduler.apply`); None if there is none.
         finish_reason: why it finished ("stop", "length" or "abort"); None while it runs.
         stop_token_ids: tokens that end it once min_tokens were generated (eos unless
             ignore_eos, plus params.stop_token_ids).
@@ -118,6 +121,13 @@ class Sequence:
         self.num_tokens += 1
         self.last_token_id = token_id
         self.output_token_ids.append(token_id)
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The generated tokens whose values the host has (all but a pending placeholder)."""
+        if self.pending_index is None:
+            return self.output_token_ids
+        return self.output_token_ids[: self.pending_index - self.num_prompt_tokens]
 
     def append_placeholder(self) -> None:
         """Appends a token whose value the device has not returned yet (`PLACEHOLDER`)."""
