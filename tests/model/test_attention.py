@@ -62,5 +62,5 @@ def test_reference_matches_dense_attention_per_sequence():
 def test_registry_knows_reference_and_names_the_known_ones():
     assert get_attention_backend("reference") is reference_attention
     assert "reference" in attention_backends()
-    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; known: .*reference"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash3'; known: .*reference"):
         get_attention_backend("flash3")
