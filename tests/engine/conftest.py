@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_reference import random_qwen3
 
 from jaxllm import LLM, SamplingParams
 
@@ -39,27 +40,17 @@ BASE_SETTINGS = dict(
 
 def make_hf_model(vocab_size: int = VOCAB_SIZE, hidden: int = 64, layers: int = 2, seed: int = 0):
     """A float32 transformers Qwen3 with every weight random (norm scales around 1)."""
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(
+    return random_qwen3(
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden + 32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden=hidden,
+        layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
         head_dim=32,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 10_000.0, "rope_type": "default"},
+        tied=False,
         max_position_embeddings=MAX_MODEL_LEN,
-        rms_norm_eps=1e-6,
-        attn_implementation="eager",
+        seed=seed,
     )
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    return model
 
 
 @dataclass

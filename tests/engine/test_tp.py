@@ -54,26 +54,18 @@ def generate(llm) -> list[list[int]]:
 def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """A transformers Qwen3 saved to disk, and its greedy tokens for `make_prompts()`."""
     import torch
-    import transformers
+    from hf_reference import random_qwen3
 
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
+    model = random_qwen3(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN + 32,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        hidden=HIDDEN,
+        layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        tie_word_embeddings=False,
+        tied=False,
         max_position_embeddings=256,
-        attn_implementation="eager",
     )
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
     path = tmp_path_factory.mktemp("tp-engine")
     model.save_pretrained(path)
     reference = []

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_reference import random_qwen3
 
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.config import Qwen3Config
@@ -28,27 +29,16 @@ def make_hf_model(
     tied: bool, num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, layers: int, seed=0
 ) -> transformers.Qwen3ForCausalLM:
     """A float32 HF Qwen3 with every weight random (norm scales around 1), eager attention."""
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen3Config(
+    return random_qwen3(
         vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden + 32,
-        num_hidden_layers=layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        hidden=hidden,
+        layers=layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        tie_word_embeddings=tied,
-        rope_parameters={"rope_theta": 10_000.0, "rope_type": "default"},
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        attn_implementation="eager",
+        tied=tied,
+        seed=seed,
     )
-    model = transformers.Qwen3ForCausalLM(hf_config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    return model
 
 
 @dataclass
