@@ -6,6 +6,7 @@ One `step()` = `Scheduler.schedule()` -> `BatchBuilder.build()` -> `ModelRunner.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,11 +22,12 @@ from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
 from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
-from jaxllm.runner import COMPILATIONS, ModelRunner
+from jaxllm.runner import COMPILATIONS, ModelRunner, step_scratch_bytes
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import (
     PLACEHOLDER,
     BatchBuilder,
+    BucketLadder,
     ScheduledBatch,
     Scheduler,
     SchedulerConfig,
@@ -159,16 +161,9 @@ class Engine:
         block_size = config.kvcache_block_size
         tile = config.prefill_tile or (128 if is_gpu() else 16)
         budget = max(tile, config.max_num_batched_tokens // tile * tile)
-        num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size)
-        if num_blocks * block_size < config.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
-                f"({num_blocks * block_size} tokens), less than one request of max_model_len="
-                f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
-                "max_model_len"
-            )
-        self.scheduler_config = SchedulerConfig(
-            num_blocks=num_blocks,
+        # NOTE: the cache's size is settled below; nothing else of the scheduler depends on it.
+        sizing = SchedulerConfig(
+            num_blocks=1,
             block_size=block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -177,18 +172,25 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=tuple(int(t) for t in eos if t is not None),
         )
+        one_width = self.model_config.attention_backend == "flash"
+        ladder = BucketLadder.from_config(sizing, one_width=one_width)
+        num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size, ladder)
+        if num_blocks * block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens), less than one request of max_model_len="
+                f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
+                "max_model_len"
+            )
+        self.scheduler_config = dataclasses.replace(sizing, num_blocks=num_blocks)
         self.scheduler = Scheduler(self.scheduler_config, eviction_policy=config.eviction_policy)
-        self.batch_builder = BatchBuilder(
-            self.scheduler_config, one_width=self.model_config.attention_backend == "flash"
-        )
+        self.batch_builder = BatchBuilder(self.scheduler_config, one_width=one_width)
         self.runner = ModelRunner(
             self.model_config,
             params,
             num_blocks=num_blocks,
             block_size=block_size,
-            max_sampled_rows=max(
-                shape.num_sampled for shape in self.batch_builder.ladder.all_shapes()
-            ),
+            max_sampled_rows=max(shape.num_sampled for shape in ladder.all_shapes()),
             mesh=self.mesh,
         )
         self.compile_seconds = 0.0
@@ -216,8 +218,9 @@ class Engine:
             return "flash"
         return "reference"
 
-    def _fit_num_blocks(self, params, block_size: int) -> int:
-        """KV blocks that fit in `memory_fraction` of the device beside weights and activations."""
+    def _fit_num_blocks(self, params, block_size: int, ladder: BucketLadder) -> int:
+        """KV blocks that fit in `memory_fraction` of the device beside the params and the
+        scratch memory of the largest step (measured by compiling it over a one-block cache)."""
         config = self.config
         per_block = kv_cache_bytes_per_block(
             self.model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
@@ -228,13 +231,15 @@ class Engine:
             return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
         stats = jax.devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit", 0) * config.memory_fraction
-        # NOTE: activations of the largest step, estimated generously (logits, MLP, attention).
-        tokens = config.max_num_batched_tokens
-        c = self.model_config
-        activations = tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
-        activations += config.max_num_seqs * c.vocab_size * 4 * 4
-        # NOTE: the params are already on the device, counted in bytes_in_use.
-        free = limit - activations - stats.get("bytes_in_use", 0)
+        largest = max(ladder.all_shapes(), key=lambda shape: (shape.num_tokens, shape.width))
+        scratch = step_scratch_bytes(self.model_config, params, largest, block_size, self.mesh)
+        if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
+            c = self.model_config
+            scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
+            scratch += config.max_num_seqs * c.vocab_size * 4 * 4
+        # NOTE: the params are already on the device, counted in bytes_in_use; the sampler's
+        # scratch is small beside the largest step's and comes out of the 10% margin.
+        free = limit - scratch - stats.get("bytes_in_use", 0)
         return max(1, int(free // per_block))
 
     # Requests.

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
-from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
 from jaxllm.model.qwen3 import sharded_forward
 from jaxllm.model.sampler import SamplingInputs, sample
 from jaxllm.model.sharding import make_mesh, replicated
@@ -96,6 +96,29 @@ def _sample_step(logits, sampling, *, num_rows: int):
     """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
     tokens = sample(logits, sampling)
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
+
+
+def step_scratch_bytes(
+    config: Qwen3Config, params, shape: BucketShape, block_size: int, mesh: Mesh
+) -> int | None:
+    """Device memory one step of `shape` needs beside the params and the KV cache (per device).
+
+    Measured by compiling the step over a one-block cache: XLA's own account of the step's
+    temporary buffers, plus its logits output. None where the backend gives no account.
+    """
+    forward = jax.jit(sharded_forward(config, mesh), donate_argnums=1)
+    cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
+    cache = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        cache,
+        kv_cache_specs(),
+    )
+    compiled = forward.lower(params, cache, _model_inputs(shape, replicated(mesh))).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    logits = shape.num_sampled * config.vocab_size * 4
+    return int(analysis.temp_size_in_bytes) + 2 * logits
 
 
 class ModelRunner:
