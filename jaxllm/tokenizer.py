@@ -381,7 +381,7 @@ class IncrementalDetokenizer:
     """
 
     # NOTE: a few prompt tokens of context, as vLLM keeps, so the first delta decodes in context.
-    _PROMPT_CONTEXT_TOKENS = 5
+    _NUM_PROMPT_TOKENS_KEPT = 5
 
     def __init__(
         self,
@@ -391,7 +391,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids)[-self._PROMPT_CONTEXT_TOKENS :]
+        context = list(prompt_token_ids)[-self._NUM_PROMPT_TOKENS_KEPT :]
         self._window = _known_ids(tokenizer, context)
         self._read_offset = len(self._window)
         self.text = ""
