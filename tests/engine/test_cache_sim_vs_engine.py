@@ -9,6 +9,8 @@ count, so the agreement is not the trivial one of an idle cache.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,38 @@ def test_policy_never_changes_the_tokens(runs):
     # NOTE: not a constant stream: the model's tokens depend on the prompt.
     assert len({tuple(t) for t in reference}) > len(reference) // 2
     assert np.unique(np.concatenate(reference)).size > 4
+
+
+def test_bench_workload_record_matches_the_simulator(tmp_path):
+    """`scripts/bench.py --workload ...` on the CPU: its record's counters are the simulator's."""
+    from jaxllm.bench import main
+
+    path = tmp_path / "record.json"
+    argv = [
+        "--workload=shared-prefix",
+        "--groups=4",
+        "--prompts-per-group=3",
+        "--prefix-len=128",
+        "--question-len=16",
+        "--output-len=8",
+        "--order=interleaved",
+        "--block-size=16",
+        "--num-kvcache-blocks=32",
+        "--eviction-policy=mru",
+        "--no-compile-at-startup",
+        f"--json={path}",
+    ]
+    assert main(argv) == 0
+    record = json.loads(path.read_text())
+    assert record["workload"] == "shared-prefix" and record["num_seqs"] == 12
+    assert record["eviction_policy"] == "mru" and record["num_kvcache_blocks"] == 32
+    assert record["cache_evictions"] > 0 and record["cache_hit_tokens"] > 0
+    for engine_name, sim_name in [
+        ("cache_hit_tokens", "sim_hit_tokens"),
+        ("prompt_hit_tokens", "sim_prompt_hit_tokens"),
+        ("cache_evictions", "sim_evictions"),
+        ("preemptions", "sim_preemptions"),
+    ]:
+        assert record[engine_name] == record[sim_name], engine_name
+    assert record["prompt_tokens"] == 12 * 144
+    assert 0 < record["ttft_ms_p50"] <= record["ttft_ms_p99"]
