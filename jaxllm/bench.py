@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.workloads import add_workload_arguments, workload_from_arguments
+from jaxllm.cache import CacheStats
+from jaxllm.workloads import Request, add_workload_arguments, workload_from_arguments
 
 # The H200 ceilings measured on the device (shared/PERFORMANCE.md): device copy and bf16 matmul.
 H200_BANDWIDTH = 4.3e12
@@ -71,7 +72,13 @@ def physical_bound(
 
 
 def workload_record(
-    args, requests, llm, outputs, elapsed, stats_before, preemptions_before
+    args: argparse.Namespace,
+    requests: list[Request],
+    llm,
+    outputs: list,
+    elapsed: float,
+    stats_before: CacheStats,
+    preemptions_before: int,
 ) -> dict:
     """The workload run's latency and prefix-cache figures, and the simulator's prediction of
     the latter for the engine's scheduler settings."""
