@@ -330,6 +330,10 @@ class LLM:
             "decode_tok_s": _rate(
                 decode.tokens - before[1].tokens, decode.seconds - before[1].seconds
             ),
+            "prefill_steps": prefill.steps - before[0].steps,
+            "decode_steps": decode.steps - before[1].steps,
+            "decode_ms_per_step": 1e3
+            * _rate(decode.seconds - before[1].seconds, decode.steps - before[1].steps),
         }
         return [outputs[request_id] for request_id in ids]
 
