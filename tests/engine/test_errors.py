@@ -193,3 +193,11 @@ def test_engine_defaults_match_the_documented_api():
         seed=0,
     )
     assert {name: getattr(defaults, name) for name in documented} == documented
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face"):
+        LLM("Qwen/Qwen3-0.6B", **BASE_SETTINGS)
