@@ -24,6 +24,7 @@ for stage in "$@"; do
     bench-0.6b-warm) python3 scripts/bench.py --json "$OUT/bench-0.6b-warm.json" 2>&1 | grep -v Compiling | tail -30 ;;
     bench-8b) python3 scripts/bench.py --model random:qwen3-8b --json "$OUT/bench-8b.json" 2>&1 | grep -v Compiling | tail -30 ;;
     decode-step) python3 scripts/decode_step.py 2>&1 | tail -30 ;;
+    tp-flash-check) python3 scripts/tp_flash_check.py 2>&1 | tail -30 ;;
     bench:*:*)
       IFS=: read -r _ model tp <<< "$stage"
       python3 scripts/bench.py --model "random:$model" --tp "$tp" \
