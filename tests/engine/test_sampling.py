@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sampling_reference import assert_matches, exact_distribution
 
 from jaxllm import LLM, SamplingParams
 
@@ -13,26 +14,6 @@ from .conftest import BASE_SETTINGS, VOCAB_SIZE, assert_idle
 
 NUM_SEEDS = 2000
 TEMPERATURE = 0.4
-
-
-def exact_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
-    """The distribution jaxllm/model/sampler.py documents, in float64: temperature, then top-k,
-    then top-p on what top-k left (the boundary token kept), then min-p against the top token."""
-    scaled = np.asarray(logits, np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    keep = np.ones_like(probs, bool)
-    if top_k > 0:
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        kept_sorted = np.where(keep, probs, 0.0)[order]
-        kept_sorted /= kept_sorted.sum()
-        mass_before = np.concatenate([[0.0], np.cumsum(kept_sorted)[:-1]])
-        keep[order[mass_before >= top_p]] = False
-    keep &= probs >= min_p * probs.max()
-    result = np.where(keep, probs, 0.0)
-    return result / result.sum()
 
 
 def midpoint_settings(logits) -> dict[str, dict]:
@@ -91,15 +72,7 @@ def test_first_token_distribution(first_tokens, name):
     if name != "temperature":
         assert 2 <= np.count_nonzero(expected) <= 16, filters
 
-    outside = set(tokens.tolist()) - set(np.flatnonzero(expected).tolist())
-    assert not outside, f"tokens outside the allowed set: {sorted(outside)}"
-    empirical = np.bincount(tokens, minlength=VOCAB_SIZE) / len(tokens)
-    tv = 0.5 * np.abs(empirical - expected).sum()
-    # What a correct sampler of NUM_SEEDS draws shows.
-    simulated = np.random.default_rng(0).multinomial(len(tokens), expected, size=2000)
-    simulated_tv = 0.5 * np.abs(simulated / len(tokens) - expected).sum(axis=1)
-    bound = np.quantile(simulated_tv, 0.999)
-    assert tv <= bound, f"TV {tv:.4f} > {bound:.4f} (a correct sampler: {simulated_tv.mean():.4f})"
+    assert_matches(tokens, expected)
 
 
 def test_seeded_request_ignores_its_batch(llm):

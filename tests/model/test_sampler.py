@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_reference import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
 from jaxllm.model.sampler import SamplingInputs, fold_seed, sample
@@ -28,49 +29,12 @@ PROBS[_ORDER] = np.concatenate([_HEAD, _TAIL])
 LOGITS = np.log(PROBS).astype(np.float32) + 3.0  # an offset changes nothing
 
 
-def exact_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """The distribution the sampler must draw from, in float64 (vLLM's filter order)."""
-    if temperature == 0.0:
-        return np.eye(len(logits))[np.argmax(logits)]
-    scaled = np.asarray(logits, np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    keep = np.ones_like(probs, bool)
-    if top_k > 0:
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        kept = np.where(keep, probs, 0.0)
-        kept_sorted = kept[order] / kept.sum()
-        mass_before = np.concatenate([[0.0], np.cumsum(kept_sorted)[:-1]])
-        # The prefix up to and including the first token at which the mass reaches top_p.
-        keep[order[mass_before >= top_p]] = False
-    keep &= probs >= min_p * probs.max()
-    result = np.where(keep, probs, 0.0)
-    return result / result.sum()
-
-
 def draw(logits, num_draws=NUM_DRAWS, steps=0, **settings):
     """Samples `logits` once per seed 0..num_draws-1 (rows of one batch)."""
     params = [SamplingParams(seed=seed, **settings) for seed in range(num_draws)]
     inputs = SamplingInputs.from_params(params, [steps] * num_draws)
     batch = np.broadcast_to(logits, (num_draws, len(logits)))
     return np.asarray(_sample(jnp.asarray(batch), inputs))
-
-
-def assert_matches(tokens, expected):
-    """Empirical vs exact: nothing outside the support, TV within a correct sampler's spread."""
-    vocab_size = len(expected)
-    outside = set(tokens.tolist()) - set(np.flatnonzero(expected).tolist())
-    assert not outside, f"tokens outside the allowed set: {sorted(outside)}"
-    empirical = np.bincount(tokens, minlength=vocab_size) / len(tokens)
-    tv = 0.5 * np.abs(empirical - expected).sum()
-    simulated = np.random.default_rng(0).multinomial(len(tokens), expected, size=2000)
-    simulated_tv = 0.5 * np.abs(simulated / len(tokens) - expected).sum(axis=1)
-    bound = np.quantile(simulated_tv, 0.999)
-    assert tv <= bound, (
-        f"TV {tv:.4f} > {bound:.4f} (mean for a correct sampler {simulated_tv.mean():.4f})"
-    )
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
