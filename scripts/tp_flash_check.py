@@ -6,18 +6,31 @@ segfault ends only that case), and prints a table:
 1. FA3 alone under jax.jit (one device);
 2. FA3 alone inside shard_map over the kv heads (two devices);
 3. the model step, 2 layers of the qwen3-0.6b shape, "flash" backend, TP=2;
-4. the same with the portable backend, TP=2.
+4. the same with the portable backend, TP=2;
+and cases 2 and 3 again with XLA's CUDA command buffers off (suffix "-nocmdbuf"), and FA3 under
+shard_map inside a `lax.scan` over layers, as the model runs it ("fa3-shard-map-scan").
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-CASES = ("fa3-jit", "fa3-shard-map", "model-flash-tp2", "model-reference-tp2")
+CASES = (
+    "fa3-jit",
+    "fa3-shard-map",
+    "fa3-shard-map-scan",
+    "fa3-shard-map-nocmdbuf",
+    "model-flash-tp2",
+    "model-flash-tp2-nocmdbuf",
+    "model-reference-tp2",
+)
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 
 def run_case(case: str) -> None:
+    case = case.removesuffix("-nocmdbuf")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -44,7 +57,7 @@ def run_case(case: str) -> None:
         q = jnp.ones((batch, heads, head_dim), jnp.bfloat16)
         cache = jnp.ones((blocks, block_size, kv_heads, head_dim), jnp.bfloat16)
         attend = get_attention_backend("flash")
-        if case == "fa3-shard-map":
+        if case.startswith("fa3-shard-map"):
             mesh = make_mesh(2)
             attend = shard_map(
                 attend,
@@ -52,6 +65,15 @@ def run_case(case: str) -> None:
                 in_specs=(P(None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P()),
                 out_specs=P(None, "tp"),
             )
+        if case == "fa3-shard-map-scan":
+            one = attend
+
+            def attend(q, keys, values, inputs):
+                def layer(x, _):
+                    return one(x, keys, values, inputs).astype(x.dtype), None
+
+                return jax.lax.scan(layer, q, None, length=2)[0]
+
         out = jax.jit(attend)(q, cache, cache, inputs)
     else:
         backend = case.split("-")[1]
@@ -69,11 +91,15 @@ def main() -> None:
         return
     rows = []
     for case in CASES:
+        env = dict(os.environ)
+        if case.endswith("-nocmdbuf"):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
         result = subprocess.run(
             [sys.executable, "-X", "faulthandler", __file__, case],
+            env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=150,
         )
         status = "ok" if result.returncode == 0 else f"exit {result.returncode}"
         rows.append((case, status, (result.stdout + result.stderr).strip().splitlines()[-3:]))
