@@ -94,17 +94,22 @@ def main() -> None:
         env = dict(os.environ)
         if case.endswith("-nocmdbuf"):
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
-        result = subprocess.run(
-            [sys.executable, "-X", "faulthandler", __file__, case],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
+        try:
+            result = subprocess.run(
+                [sys.executable, "-X", "faulthandler", __file__, case],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=150,
+            )
+        except subprocess.TimeoutExpired:
+            rows.append((case, "timeout (150 s)", []))
+            continue
         status = "ok" if result.returncode == 0 else f"exit {result.returncode}"
         rows.append((case, status, (result.stdout + result.stderr).strip().splitlines()[-3:]))
+        print(case, status, flush=True)
     for case, status, tail in rows:
-        print(f"{case:22s} {status}")
+        print(f"{case:26s} {status}")
         for line in tail:
             print(f"    {line[:160]}")
 
