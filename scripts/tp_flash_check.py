@@ -1,14 +1,19 @@
 """Where does FlashAttention-3 under shard_map break? `python scripts/tp_flash_check.py`
 
 On two H200s (jax 0.11.2, 2026-11-30) XLA segfaulted compiling the model step with the "flash"
-backend inside shard_map. This runs, from the smallest case up, each in a child process (so a
-segfault ends only that case), and prints a table:
-1. FA3 alone under jax.jit (one device);
-2. FA3 alone inside shard_map over the kv heads (two devices);
-3. the model step, 2 layers of the qwen3-0.6b shape, "flash" backend, TP=2;
-4. the same with the portable backend, TP=2;
-and cases 2 and 3 again with XLA's CUDA command buffers off (suffix "-nocmdbuf"), and FA3 under
-shard_map inside a `lax.scan` over layers, as the model runs it ("fa3-shard-map-scan").
+backend inside shard_map. This runs each case in a child process (so a segfault ends only that
+case) and prints a table. A case is a base and options joined by "+".
+Bases: "fa3-jit" (FA3 alone, one device), "fa3-shard-map" (FA3 alone in shard_map over the kv
+heads, two devices), "fa3-shard-map-scan" (the same inside a `lax.scan` over layers),
+"model-flash-tp2" / "model-reference-tp2" (the model step, 2 layers of the qwen3-0.6b shape).
+Options: "nocmdbuf" (XLA's CUDA command buffers off), "nolhs" (latency-hiding scheduler off),
+"syncoll" (synchronous all-reduce/all-gather),
+"1layer", "nodonate" (the cache not donated), "tp1" (the model on a one-device mesh), "vlog"
+(XLA logs each HLO pass; the table shows the last ones before the end).
+
+Seen on `nvidia-h200-x2`, 2026-11-30: every FA3-alone case compiles and runs (with and without
+shard_map, scan, command buffers); the model step with "flash" at TP=2 segfaults with or without
+command buffers; with "reference" it runs.
 """
 
 from __future__ import annotations
@@ -18,19 +23,22 @@ import subprocess
 import sys
 
 CASES = (
-    "fa3-jit",
-    "fa3-shard-map",
-    "fa3-shard-map-scan",
-    "fa3-shard-map-nocmdbuf",
-    "model-flash-tp2",
-    "model-flash-tp2-nocmdbuf",
-    "model-reference-tp2",
+    "model-flash-tp2+vlog",
+    "model-flash-tp2+1layer",
+    "model-flash-tp2+nodonate",
+    "model-flash-tp2+nolhs",
+    "model-flash-tp2+syncoll",
+    "model-flash-tp2+tp1",
 )
-NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+XLA_OPTIONS = {
+    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+    "nolhs": "--xla_gpu_enable_latency_hiding_scheduler=false",
+    "syncoll": "--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER",
+}
 
 
-def run_case(case: str) -> None:
-    case = case.removesuffix("-nocmdbuf")
+def run_case(name: str) -> None:
+    case, *options = name.split("+")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -77,11 +85,14 @@ def run_case(case: str) -> None:
         out = jax.jit(attend)(q, cache, cache, inputs)
     else:
         backend = case.split("-")[1]
-        mesh = make_mesh(2)
-        config = PRESETS["qwen3-0.6b"].replace(num_layers=2, attention_backend=backend)
+        mesh = make_mesh(1 if "tp1" in options else 2)
+        layers = 1 if "1layer" in options else 2
+        config = PRESETS["qwen3-0.6b"].replace(num_layers=layers, attention_backend=backend)
         params = init_params(config, seed=0, mesh=mesh)
         cache = allocate_kv_cache(config, blocks, block_size, mesh=mesh)
-        out, _ = jax.jit(sharded_forward(config, mesh), donate_argnums=1)(params, cache, inputs)
+        donate = () if "nodonate" in options else 1
+        step = jax.jit(sharded_forward(config, mesh), donate_argnums=donate)
+        out, _ = step(params, cache, inputs)
     print("finite:", bool(jnp.isfinite(out.astype(jnp.float32)).all()))
 
 
@@ -91,9 +102,12 @@ def main() -> None:
         return
     rows = []
     for case in CASES:
+        options = case.split("+")[1:]
         env = dict(os.environ)
-        if case.endswith("-nocmdbuf"):
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
+        flags = [XLA_OPTIONS[option] for option in options if option in XLA_OPTIONS]
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+        if "vlog" in options:
+            env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=2")
         try:
             result = subprocess.run(
                 [sys.executable, "-X", "faulthandler", __file__, case],
@@ -106,7 +120,13 @@ def main() -> None:
             rows.append((case, "timeout (150 s)", []))
             continue
         status = "ok" if result.returncode == 0 else f"exit {result.returncode}"
-        rows.append((case, status, (result.stdout + result.stderr).strip().splitlines()[-3:]))
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"tp-flash-{case}.log"), "w") as log:
+                log.write("\n".join(lines[-2000:]))
+        if "vlog" in options:
+            lines = [line for line in lines if "pass" in line.lower()] + lines[-2:]
+        rows.append((case, status, lines[-8:] if "vlog" in options else lines[-3:]))
         print(case, status, flush=True)
     for case, status, tail in rows:
         print(f"{case:26s} {status}")
