@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
+from jaxllm.model import decode_attention  # noqa: F401 (registers the "pallas" backend)
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
@@ -172,7 +173,9 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=tuple(int(t) for t in eos if t is not None),
         )
-        one_width = self.model_config.attention_backend == "flash"
+        # NOTE: these kernels read only each sequence's context, so the table width does not
+        # change their work: every table is padded to the widest (fewer executables).
+        one_width = self.model_config.attention_backend in ("flash", "pallas")
         ladder = BucketLadder.from_config(sizing, one_width=one_width)
         num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size, ladder)
         if num_blocks * block_size < config.max_model_len:

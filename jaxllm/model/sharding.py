@@ -160,6 +160,6 @@ def partitioner_for(config: Qwen3Config, mesh: Mesh) -> contextlib.AbstractConte
     shard_map compiled; `scripts/tp_flash_check.py`). Such steps are lowered for the GSPMD
     partitioner instead; everything else keeps JAX's default.
     """
-    if tensor_parallel_size(mesh) > 1 and config.attention_backend == "flash":
+    if tensor_parallel_size(mesh) > 1 and config.attention_backend in ("flash", "pallas"):
         return gspmd_partitioner()
     return contextlib.nullcontext()

@@ -18,6 +18,8 @@ SCHEDULES = {
     # 32 blocks of 16 tokens: one max_model_len request, far less than the batch needs; MRU
     # eviction, unlike the default LRU, drops the blocks just freed by preemption first.
     "preemption": {"num_kvcache_blocks": 32, "eviction_policy": "mru"},
+    # Decode through jaxllm's Pallas kernel (interpreted on a CPU).
+    "pallas-decode": {"attention_backend": "pallas"},
 }
 
 

@@ -1,0 +1,207 @@
+"""Paged decode attention as a Pallas (Triton) kernel: one program per sequence and key range.
+
+Decode is bound by reading the KV cache. FlashAttention-3 gives every (sequence, kv head) its
+own thread block, which for a query-head group of 2 spends a fixed cost per block that
+dominates at short contexts. Here a program takes all kv heads of one sequence: a tile of
+`ROWS` consecutive cache rows of one block ([tokens, K, H] is contiguous in jaxllm's layout)
+is one contiguous read, viewed as ROWS (token, kv head) keys. All N query heads score against
+all of them in one matmul, and each query head keeps only its own kv head's columns (a mask):
+the wasted multiply-adds are free beside the memory traffic. Long contexts are split over
+several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
+softmax results are merged afterwards.
+
+Registered as the attention backend "pallas" (decode with this kernel, prefill with FA3).
+
+Legend: G sequences (tiles of one token), N query heads (padded to M), K kv heads, Q query
+heads per kv head, H head dim, P blocks of the pool, BS block size, W block-table width,
+S key-range splits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxllm.model.attention import get_attention_backend, register_attention_backend
+from jaxllm.model.flash_attention import flash_attention, flash_available
+from jaxllm.model.inputs import ModelInputs
+
+# Cache rows (token, kv head pairs) per tile; 64 x 128 bf16 = 16 KB of keys and as much values.
+ROWS = 64
+NUM_WARPS, NUM_STAGES = 4, 3
+# Aim for this many programs per step (the H200 has 132 multiprocessors).
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 16
+_MASK_VALUE = -1e30
+
+
+def _decode_kernel(
+    tables_ref,  # [W] this sequence's blocks
+    lens_ref,  # [G] every sequence's context length
+    q_ref,  # [M, H]
+    k_ref,  # [P, BS * K, H]
+    v_ref,  # [P, BS * K, H]
+    o_ref,  # [M, H] float32, unnormalised
+    m_ref,  # [M] the scores' running max
+    total_ref,  # [M] the running sum of exp(score - max)
+    *,
+    rows: int,
+    num_kv_heads: int,
+    group: int,
+    block_size: int,
+    scale: float,
+):
+    sequence, split = pl.program_id(0), pl.program_id(1)
+    tokens_per_tile = rows // num_kv_heads
+    num_rows, head_dim = q_ref.shape
+    context = lens_ref[sequence]
+    num_tiles = pl.cdiv(context, tokens_per_tile)
+    tiles_per_split = pl.cdiv(num_tiles, pl.num_programs(1))
+    start = split * tiles_per_split
+    end = jnp.minimum(start + tiles_per_split, num_tiles)
+
+    q = q_ref[...]
+    row_kv_head = lax.broadcasted_iota(jnp.int32, (num_rows, rows), 0) // group
+    column = lax.broadcasted_iota(jnp.int32, (num_rows, rows), 1)
+    same_head = (column % num_kv_heads) == row_kv_head
+
+    def body(tile, carry):
+        acc, m, total = carry
+        first_token = tile * tokens_per_tile
+        block = tables_ref[first_token // block_size]
+        row = pl.multiple_of((first_token % block_size) * num_kv_heads, rows)
+        k = k_ref[block, pl.ds(row, rows), :]  # [rows, H]
+        v = v_ref[block, pl.ds(row, rows), :]
+        scores = plgpu.dot(q, k, trans_b=True) * scale  # [M, rows] float32
+        visible = same_head & (first_token + column // num_kv_heads < context)
+        scores = jnp.where(visible, scores, _MASK_VALUE)
+        m_next = jnp.maximum(m, scores.max(axis=1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(scores - m_next[:, None])
+        total = total * correction + p.sum(axis=1)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_next, total
+
+    acc = jnp.zeros((num_rows, head_dim), jnp.float32)
+    m = jnp.full((num_rows,), _MASK_VALUE, jnp.float32)
+    total = jnp.zeros((num_rows,), jnp.float32)
+    acc, m, total = lax.fori_loop(start, jnp.maximum(start, end), body, (acc, m, total))
+    o_ref[...] = acc
+    m_ref[...] = m
+    total_ref[...] = total
+
+
+def num_splits_for(
+    num_sequences: int, table_width: int, block_size: int, num_kv_heads: int, rows: int = ROWS
+) -> int:
+    """Key-range splits per sequence: enough programs to fill the GPU, each >= 4 tiles."""
+    tiles = table_width * block_size * num_kv_heads // rows
+    wanted = max(1, TARGET_PROGRAMS // num_sequences)
+    return int(max(1, min(MAX_SPLITS, wanted, tiles // 4)))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_splits", "rows", "num_warps", "num_stages", "interpret")
+)
+def paged_decode_attention(
+    q: jax.Array,
+    key_pool: jax.Array,
+    value_pool: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    num_splits: int | None = None,
+    rows: int = ROWS,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of one query token per sequence over its paged context.
+
+    Args:
+        q: [G, N, H] the queries (bf16/f16; f32 in interpret mode).
+        key_pool, value_pool: [P, BS, K, H] the cache's blocks.
+        block_tables: [G, W] int32 each sequence's blocks.
+        context_lens: [G] int32 keys each sequence attends to (the first ones of its blocks).
+        num_splits: key-range splits per sequence (default: `num_splits_for`).
+        rows, num_warps, num_stages: the tile (cache rows) and Triton's launch settings.
+        interpret: run the kernel in Pallas' interpreter (tests on a CPU).
+
+    Returns:
+        [G, N, H] in q's dtype; zeros for a sequence with no context.
+    """
+    num_sequences, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_pool.shape
+    width = block_tables.shape[1]
+    rows = min(rows, block_size * num_kv_heads)  # a tile stays inside one block
+    if rows % num_kv_heads or block_size % (rows // num_kv_heads):
+        raise ValueError(
+            f"the decode kernel needs {num_kv_heads} kv heads to divide {rows} and "
+            f"{rows // num_kv_heads} tokens to divide the block size {block_size}"
+        )
+    splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
+    padded_heads = max(16, pl.next_power_of_2(num_heads))
+    q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))
+    pool_shape = (num_blocks, block_size * num_kv_heads, head_dim)
+    kernel = functools.partial(
+        _decode_kernel,
+        rows=rows,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        block_size=block_size,
+        scale=head_dim**-0.5,
+    )
+    acc, m, total = pl.pallas_call(
+        kernel,
+        grid=(num_sequences, splits),
+        in_specs=[
+            pl.BlockSpec((None, width), lambda g, s: (g, 0)),
+            pl.BlockSpec((num_sequences,), lambda g, s: (0,)),
+            pl.BlockSpec((None, padded_heads, head_dim), lambda g, s: (g, 0, 0)),
+            pl.BlockSpec(pool_shape, lambda g, s: (0, 0, 0)),
+            pl.BlockSpec(pool_shape, lambda g, s: (0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, padded_heads, head_dim), lambda g, s: (g, s, 0, 0)),
+            pl.BlockSpec((None, None, padded_heads), lambda g, s: (g, s, 0)),
+            pl.BlockSpec((None, None, padded_heads), lambda g, s: (g, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_sequences, splits, padded_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_sequences, splits, padded_heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_sequences, splits, padded_heads), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxllm_paged_decode",
+    )(block_tables, context_lens, q, key_pool.reshape(pool_shape), value_pool.reshape(pool_shape))
+    # Merge the splits' partial softmax results.
+    m_max = m.max(axis=1, keepdims=True)  # [G, 1, M]
+    weight = jnp.exp(m - m_max)  # [G, S, M]
+    total = (total * weight).sum(axis=1)  # [G, M]
+    out = (acc * weight[..., None]).sum(axis=1) / jnp.maximum(total, 1e-30)[..., None]
+    return out[:, :num_heads].astype(q.dtype)
+
+
+@register_attention_backend("pallas")
+def pallas_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs
+) -> jax.Array:
+    """Decode steps (one-token tiles) with the kernel above, prefill chunks with FlashAttention-3
+    (the portable backend where FA3 is missing). Off a GPU the kernel runs interpreted."""
+    if q.shape[0] != inputs.block_tables.shape[0]:
+        prefill = flash_attention if flash_available() else get_attention_backend("reference")
+        return prefill(q, k_cache, v_cache, inputs)
+    return paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        inputs.block_tables,
+        inputs.context_lens,
+        interpret=jax.default_backend() != "gpu",
+    )
