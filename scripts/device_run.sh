@@ -32,12 +32,14 @@ for stage in "$@"; do
   echo "=== $stage"
   case $stage in
     tests) logged tests 30 $ONE_GPU python3 -m pytest -q -m gpu tests ;;
+    tests:*) logged tests-one 30 $ONE_GPU python3 -m pytest -q -m gpu "${stage#tests:}" ;;
     bench-0.6b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
     bench-0.6b-warm) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
     bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
       --json "$OUT/$stage.json" ;;
     decode-step) logged "$stage" 30 $ONE_GPU python3 scripts/decode_step.py ;;
-    kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py ;;
+    kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
+      --cases 256x512 256x1024 256x2048 32x1024 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
     gsp:*)  # issue 7: shared prefix, grouped or interleaved order, prefix cache on or off
       IFS=: read -r _ order cache <<< "$stage"
