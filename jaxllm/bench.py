@@ -29,14 +29,18 @@ H200_BANDWIDTH = 4.3e12
 H200_FLOPS = 790e12
 
 
+# nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].
+MIN_LEN = 100
+
+
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     """nano-vllm's bench.py workload: (prompt token ids, max_tokens), seeded with 0."""
     random.seed(0)
     prompts = [
-        [random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+        [random.randint(0, 10000) for _ in range(random.randint(MIN_LEN, max_input_len))]
         for _ in range(num_seqs)
     ]
-    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    max_tokens = [random.randint(MIN_LEN, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
@@ -136,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_workload_arguments(parser, required=False)
     args = parser.parse_args(argv)
+    for flag, value in (
+        ("--max-input-len", args.max_input_len),
+        ("--max-output-len", args.max_output_len),
+    ):
+        if value is not None and value < MIN_LEN:
+            parser.error(
+                f"{flag} must be at least {MIN_LEN}: nano-vllm's workload draws lengths "
+                f"from {MIN_LEN} to it"
+            )
 
     start = time.perf_counter()
     import jax
@@ -209,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_steps": stats.get("prefill_steps"),
         "decode_steps": stats.get("decode_steps"),
         "decode_ms_per_step": stats.get("decode_ms_per_step"),
+        "decode_dispatch_ms_per_step": stats.get("decode_dispatch_ms_per_step"),
+        "decode_wait_ms_per_step": stats.get("decode_wait_ms_per_step"),
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "num_executables": llm.num_executables,

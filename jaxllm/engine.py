@@ -65,11 +65,18 @@ class _InFlight:
 
 @dataclass
 class StepStats:
-    """Tokens and seconds of one kind of step, accumulated."""
+    """Tokens and seconds of one kind of step, accumulated.
+
+    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into handing the
+    step to the device (`ModelRunner.execute`) and `wait_seconds` into reading the previous
+    step's tokens (waiting for the device); the rest is host work (scheduling, descriptors).
+    """
 
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    dispatch_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -205,7 +212,8 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
         self._in_flight: _InFlight | None = None
-        self._compiled_lazily: set[BucketShape] = set()
+        self._last_wait_seconds = 0.0  # of the last `_apply_in_flight`
+        self._compiled_lazily: set[tuple[BucketShape, str]] = set()  # (bucket, sampler mode)
 
     @staticmethod
     def _attention_backend(config: EngineConfig) -> str:
@@ -303,17 +311,19 @@ class Engine:
         tokens = None
         if scheduled is not None:
             descriptor = self.batch_builder.build(scheduled)
-            if not self.config.compile_at_startup and descriptor.shape not in self._compiled_lazily:
+            lazy_key = (descriptor.shape, self.runner.sampler_mode(descriptor))
+            if not self.config.compile_at_startup and lazy_key not in self._compiled_lazily:
                 # NOTE: compiled here, as expected, so the runner warns only about a shape that a
                 # ladder compiled at start-up missed.
-                self.runner.compile([descriptor.shape], use_tqdm=False)
-                self._compiled_lazily.add(descriptor.shape)
+                self.runner.compile([descriptor.shape], use_tqdm=False, sampler_modes=lazy_key[1:])
+                self._compiled_lazily.add(lazy_key)
             previous = self._in_flight
+            source_rows = self._source_rows(descriptor, previous)
+            dispatch_start = time.perf_counter()
             tokens = self.runner.execute(
-                descriptor,
-                previous.tokens if previous is not None else None,
-                self._source_rows(descriptor, previous),
+                descriptor, previous.tokens if previous is not None else None, source_rows
             )
+            dispatch_seconds = time.perf_counter() - dispatch_start
         finished = self._apply_in_flight()
         if scheduled is not None:
             self._in_flight = _InFlight(scheduled, tokens, self.scheduler.commit(scheduled))
@@ -321,6 +331,8 @@ class Engine:
             kind.tokens += scheduled.num_tokens
             kind.seconds += time.perf_counter() - start
             kind.steps += 1
+            kind.dispatch_seconds += dispatch_seconds
+            kind.wait_seconds += self._last_wait_seconds
         return finished
 
     @staticmethod
@@ -338,10 +350,13 @@ class Engine:
         """Reads the in-flight step's tokens (waits for them), applies them and stop strings;
         returns the outputs of the requests that finished."""
         in_flight, self._in_flight = self._in_flight, None
+        self._last_wait_seconds = 0.0
         if in_flight is None:
             return []
         batch = in_flight.batch
+        wait_start = time.perf_counter()
         tokens = np.asarray(in_flight.tokens)
+        self._last_wait_seconds = time.perf_counter() - wait_start
         finished = in_flight.finished + [
             seq for seq in self.scheduler.apply(batch, tokens) if seq not in in_flight.finished
         ]

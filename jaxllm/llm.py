@@ -334,6 +334,14 @@ class LLM:
             "decode_steps": decode.steps - before[1].steps,
             "decode_ms_per_step": 1e3
             * _rate(decode.seconds - before[1].seconds, decode.steps - before[1].steps),
+            # Of a decode step's wall time: handing it to the device, and waiting for tokens.
+            "decode_dispatch_ms_per_step": 1e3
+            * _rate(
+                decode.dispatch_seconds - before[1].dispatch_seconds,
+                decode.steps - before[1].steps,
+            ),
+            "decode_wait_ms_per_step": 1e3
+            * _rate(decode.wait_seconds - before[1].wait_seconds, decode.steps - before[1].steps),
         }
         return [outputs[request_id] for request_id in ids]
 

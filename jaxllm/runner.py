@@ -3,8 +3,9 @@
 `ModelRunner` is the only place where the host's numpy batch descriptors meet jax. Every step
 runs two executables compiled ahead of time: the model's forward pass for the descriptor's
 bucket (`BucketShape`: tokens, tiles, sampled rows, block-table width), which takes the KV cache
-donated and so updates it in place, and the sampler for the number of sampled rows. Splitting the
-two halves the start-up compile time (the sampler has far fewer shapes than the model).
+donated and so updates it in place, and the sampler for the number of sampled rows and the
+variant the host picked (`sampler.sampler_mode`). Splitting the two halves the start-up compile
+time (the sampler has far fewer shapes than the model).
 
 Tensor parallelism: the runner holds the "tp" mesh (`jaxllm.model.sharding`). The forward pass
 runs under shard_map over it (`sharded_forward`) with params and KV cache sharded; the step's
@@ -30,7 +31,7 @@ from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
 from jaxllm.model.qwen3 import sharded_forward
-from jaxllm.model.sampler import SamplingInputs, sample
+from jaxllm.model.sampler import SAMPLER_MODES, SamplingInputs, sample, sampler_mode
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
 
@@ -92,9 +93,9 @@ def _forward_step(forward_fn, params, kv_cache, inputs, previous_tokens, source_
     return forward_fn(params, kv_cache, inputs.replace(token_ids=token_ids))
 
 
-def _sample_step(logits, sampling, *, num_rows: int):
+def _sample_step(logits, sampling, *, num_rows: int, mode: str):
     """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
-    tokens = sample(logits, sampling)
+    tokens = sample(logits, sampling, mode=mode)
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
 
 
@@ -158,37 +159,54 @@ class ModelRunner:
         )
         self._sample = jax.jit(
             functools.partial(_sample_step, num_rows=max_sampled_rows),
+            static_argnames="mode",
             out_shardings=self._replicated,
         )
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, mesh=self.mesh)
         self._forward_executables: dict[BucketShape, jax.stages.Compiled] = {}
-        self._sample_executables: dict[int, jax.stages.Compiled] = {}
+        # (sampled rows, sampler mode) -> executable
+        self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
 
     @property
     def num_executables(self) -> int:
         return len(self._forward_executables) + len(self._sample_executables)
 
-    def compile(self, shapes: Iterable[BucketShape], use_tqdm: bool = True) -> None:
-        """Compiles (or loads from the persistent cache) the executables of these buckets."""
+    def sampler_mode(self, batch: BatchDescriptor) -> str:
+        """The sampler variant the step of `batch` runs (chosen on the host)."""
+        return sampler_mode(batch.temperature, batch.top_k, batch.top_p, self.config.vocab_size)
+
+    def compile(
+        self,
+        shapes: Iterable[BucketShape],
+        use_tqdm: bool = True,
+        sampler_modes: Iterable[str] = SAMPLER_MODES,
+    ) -> None:
+        """Compiles (or loads from the persistent cache) the executables of these buckets: the
+        model's, and the sampler's in each of `sampler_modes`."""
+        shapes = list(shapes)
+        samplers = sorted(
+            {(shape.num_sampled, mode) for shape in shapes for mode in sampler_modes}
+            - set(self._sample_executables)
+        )
         shapes = [shape for shape in shapes if shape not in self._forward_executables]
-        rows = sorted({shape.num_sampled for shape in shapes} - set(self._sample_executables))
         cache = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_cache
         )
         logits_dtype = jnp.float32
         with tqdm(
-            total=len(shapes) + len(rows),
+            total=len(shapes) + len(samplers),
             desc="Compiling buckets",
             disable=not use_tqdm or not shapes,
         ) as bar:
-            for num_rows in rows:
+            for num_rows, mode in samplers:
                 logits = jax.ShapeDtypeStruct(
                     (num_rows, self.config.vocab_size), logits_dtype, sharding=self._replicated
                 )
-                lowered = self._sample.lower(logits, _sampling_inputs(num_rows, self._replicated))
-                self._sample_executables[num_rows] = lowered.compile()
+                sampling = _sampling_inputs(num_rows, self._replicated)
+                lowered = self._sample.lower(logits, sampling, mode=mode)
+                self._sample_executables[num_rows, mode] = lowered.compile()
                 bar.update(1)
             previous = jax.ShapeDtypeStruct(
                 (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
@@ -223,9 +241,12 @@ class ModelRunner:
             sampled rows are 0.
         """
         shape = batch.shape
-        if shape not in self._forward_executables:
-            logger.warning("compiling bucket %s while serving", shape)
-            self.compile([shape], use_tqdm=False)
+        mode = self.sampler_mode(batch)
+        if shape not in self._forward_executables or (
+            (shape.num_sampled, mode) not in self._sample_executables
+        ):
+            logger.warning("compiling bucket %s (sampler %s) while serving", shape, mode)
+            self.compile([shape], use_tqdm=False, sampler_modes=[mode])
         inputs = ModelInputs(**batch.model_inputs())
         sampling = SamplingInputs(
             temperature=batch.temperature,
@@ -245,7 +266,7 @@ class ModelRunner:
         logits, self.kv_cache = self._forward_executables[shape](
             self.params, self.kv_cache, inputs, previous_tokens, source_rows
         )
-        return self._sample_executables[shape.num_sampled](logits, sampling)
+        return self._sample_executables[shape.num_sampled, mode](logits, sampling)
 
     def _global(self, tree: Any) -> Any:
         """Host arrays (equal in every process) as global arrays replicated over the mesh."""

@@ -10,6 +10,13 @@ The random draw is Gumbel-max over the whole vocabulary with noise from a key de
 (seed, step) of the row alone: a seeded request's tokens do not depend on the rest of the batch,
 its row index or the batch size.
 
+The host picks one of three variants per step (`sampler_mode`), compiled separately: "greedy"
+(all rows greedy: an argmax), "random" (no row filters by top-k/top-p) and "filtered" (the
+general case). The choice is made on the host, never with `lax.cond` on device values: on a
+GPU, XLA evaluates a conditional's predicate on the host, which blocks the dispatching thread
+until the device has finished everything queued before it (the model's step), and so stops the
+engine from preparing the next step meanwhile.
+
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
 
@@ -35,6 +42,7 @@ GREEDY_TEMPERATURE = 1e-5
 # rows that need the full sort; temperature alone 1.3 ms, all greedy 0.24 ms.
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
+SAMPLER_MODES = ("greedy", "random", "filtered")
 
 
 @struct.dataclass
@@ -97,13 +105,31 @@ def fold_seed(seed: int) -> np.uint32:
     return np.uint32((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
 
 
+def sampler_mode(
+    temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab_size: int
+) -> str:
+    """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
+
+    "greedy" when every row is greedy, "filtered" when a random row filters by top-k or top-p,
+    else "random".
+    """
+    random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
+    if not random_rows.any():
+        return "greedy"
+    top_k = np.asarray(top_k)
+    filtering = ((top_k > 0) & (top_k < vocab_size)) | (np.asarray(top_p) < 1.0)
+    return "filtered" if (random_rows & filtering).any() else "random"
+
+
 def sample(
     logits: jax.Array,
     inputs: SamplingInputs,
     candidate_block_size: int = CANDIDATE_BLOCK_SIZE,
     num_candidate_blocks: int = NUM_CANDIDATE_BLOCKS,
+    *,
+    mode: str = "filtered",
 ) -> jax.Array:
-    """Samples one token per row; jittable (the last two arguments are static).
+    """Samples one token per row; jittable (all arguments but the first two are static).
 
     Args:
         logits: [S, V] float32.
@@ -111,46 +137,46 @@ def sample(
         candidate_block_size: tokens per block when looking for top-k/top-p candidates.
         num_candidate_blocks: blocks kept as candidates (tests shrink these to reach the
             full-sort path; results never depend on them).
+        mode: one of `SAMPLER_MODES`; "filtered" is exact for any rows, the others only for
+            the rows `sampler_mode` gives them for.
 
     Returns:
         [S] int32 token ids.
     """
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"unknown sampler mode {mode!r}; known: {', '.join(SAMPLER_MODES)}")
     logits = logits.astype(jnp.float32)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    if mode == "greedy":
+        return greedy_tokens
     is_greedy = inputs.temperature < GREEDY_TEMPERATURE
-
-    def sample_random() -> jax.Array:
-        temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
-        scaled = logits / temperature[:, None]  # [S, V]
-        vocab_size = scaled.shape[-1]
+    temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
+    scaled = logits / temperature[:, None]  # [S, V]
+    vocab_size = scaled.shape[-1]
+    row_max = jnp.max(scaled, axis=-1)  # [S]
+    ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
+    if mode == "filtered":
         # NOTE: greedy rows switch their filters off, so they never cost a sort.
         top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
         top_k = jnp.maximum(top_k, 0)
         top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
         filtered = (top_k > 0) | (top_p < 1.0)
-
-        row_max = jnp.max(scaled, axis=-1)  # [S]
-        ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
-        threshold = jax.lax.cond(
-            jnp.any(filtered),
-            lambda: _top_k_top_p_threshold(
-                scaled,
-                ratio,
-                row_max,
-                top_k,
-                top_p,
-                filtered,
-                candidate_block_size,
-                num_candidate_blocks,
-            ),
-            lambda: jnp.full_like(row_max, -jnp.inf),
+        threshold = _top_k_top_p_threshold(
+            scaled,
+            ratio,
+            row_max,
+            top_k,
+            top_p,
+            filtered,
+            candidate_block_size,
+            num_candidate_blocks,
         )
-        keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
-        noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
-        sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
-        return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
-
-    return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, sample_random)
+    else:
+        threshold = jnp.full_like(row_max, -jnp.inf)
+    keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
+    noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
+    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
+    return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -192,6 +218,9 @@ def _top_k_top_p_threshold(
     Each row's threshold comes from its candidates when its kept set ends strictly above the
     candidates' bound; the other rows (if any) sort their whole row. The choice is per row, so a
     row's result does not depend on the other rows.
+
+    NOTE: the full sort runs under `lax.cond` (it costs milliseconds and is rarely needed); on a
+    GPU that conditional waits for the device, so only steps that filter pay it.
     """
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
     candidates, bound = _candidates(scaled, block_size, num_blocks)

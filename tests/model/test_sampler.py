@@ -6,6 +6,8 @@ the empirical distribution with the exact one: the total-variation distance must
 allowed set must never appear.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,13 @@ import pytest
 from sampling_reference import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
-from jaxllm.model.sampler import SamplingInputs, fold_seed, sample
+from jaxllm.model.sampler import (
+    SAMPLER_MODES,
+    SamplingInputs,
+    fold_seed,
+    sample,
+    sampler_mode,
+)
 from jaxllm.sampling_params import SamplingParams
 
 NUM_DRAWS = 4096
@@ -215,3 +223,48 @@ def test_from_params_pads_with_greedy_rows():
     assert fold_seed(2**40 + 5) != fold_seed(5)
     with pytest.raises(ValueError):
         SamplingInputs.from_params([SamplingParams()] * 3, [0, 0, 0], 2)
+
+
+def test_the_host_picks_the_cheapest_exact_sampler():
+    def mode(temperature, top_k=0, top_p=1.0, rows=3):
+        return sampler_mode(
+            np.full(rows, temperature), np.full(rows, top_k), np.full(rows, top_p), 1000
+        )
+
+    assert mode(0.0) == "greedy"
+    assert mode(0.0, top_k=5, top_p=0.5) == "greedy"  # greedy rows ignore their filters
+    assert mode(0.7) == "random"
+    assert mode(0.7, top_k=1000) == "random"  # top_k >= vocab keeps every token
+    assert mode(0.7, top_k=5) == "filtered"
+    assert mode(0.7, top_p=0.9) == "filtered"
+    mixed = sampler_mode(np.array([0.0, 0.8]), np.array([5, 0]), np.array([1.0, 1.0]), 1000)
+    assert mixed == "random"
+
+
+@pytest.mark.parametrize("mode", ["greedy", "random"])
+def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32) * 3)
+    if mode == "greedy":
+        params = [SamplingParams(temperature=0.0, top_k=7)] * 16
+    else:  # random rows with min-p, and greedy rows among them
+        params = [
+            SamplingParams(temperature=0.0 if row % 4 == 0 else 0.8, min_p=0.05, seed=row)
+            for row in range(16)
+        ]
+    inputs = SamplingInputs.from_params(params, range(16))
+    assert sampler_mode(inputs.temperature, inputs.top_k, inputs.top_p, 300) == mode
+    cheap = jax.jit(functools.partial(sample, mode=mode))(logits, inputs)
+    general = jax.jit(functools.partial(sample, mode="filtered"))(logits, inputs)
+    np.testing.assert_array_equal(np.asarray(cheap), np.asarray(general))
+
+
+def test_only_the_filtering_sampler_branches_on_device_values():
+    """A `lax.cond` in the sampler makes a GPU wait for the model step before the host may go
+    on (XLA reads the predicate on the host), so the common modes must not have one."""
+    logits = jax.ShapeDtypeStruct((8, 300), jnp.float32)
+    inputs = SamplingInputs.from_params([SamplingParams()] * 8, [0] * 8)
+    for mode in SAMPLER_MODES:
+        text = jax.jit(functools.partial(sample, mode=mode)).lower(logits, inputs).as_text()
+        has_branch = "stablehlo.case" in text or "stablehlo.if" in text
+        assert has_branch == (mode == "filtered"), mode
