@@ -12,10 +12,10 @@ its row index or the batch size.
 
 The host picks one of three variants per step (`sampler_mode`), compiled separately: "greedy"
 (all rows greedy: an argmax), "random" (no row filters by top-k/top-p) and "filtered" (the
-general case). The choice is made on the host, never with `lax.cond` on device values: on a
-GPU, XLA evaluates a conditional's predicate on the host, which blocks the dispatching thread
-until the device has finished everything queued before it (the model's step), and so stops the
-engine from preparing the next step meanwhile.
+general case). The choice is made on the host, not with `lax.cond` on device values: outside
+CUDA graphs, XLA:GPU copies a conditional's predicate to the host and waits for it, which holds
+the dispatching thread until the device has finished everything queued before (the model's
+step) and so keeps the engine from preparing the next step meanwhile.
 
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
