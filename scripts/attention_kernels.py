@@ -16,24 +16,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from decode_step import timed  # scripts/decode_step.py
 
 HEADS, KV_HEADS, DIM, MAX_LEN = 16, 8, 128, 4096
-
-
-def timed(fn, *args, repeats: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def reference(q, keys, values, lengths):
