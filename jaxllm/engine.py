@@ -311,12 +311,8 @@ class Engine:
         tokens = None
         if scheduled is not None:
             descriptor = self.batch_builder.build(scheduled)
-            lazy_key = (descriptor.shape, self.runner.sampler_mode(descriptor))
-            if not self.config.compile_at_startup and lazy_key not in self._compiled_lazily:
-                # NOTE: compiled here, as expected, so the runner warns only about a shape that a
-                # ladder compiled at start-up missed.
-                self.runner.compile([descriptor.shape], use_tqdm=False, sampler_modes=lazy_key[1:])
-                self._compiled_lazily.add(lazy_key)
+            if not self.config.compile_at_startup:
+                self._compile_lazily(descriptor)
             previous = self._in_flight
             source_rows = self._source_rows(descriptor, previous)
             dispatch_start = time.perf_counter()
@@ -334,6 +330,17 @@ class Engine:
             kind.dispatch_seconds += dispatch_seconds
             kind.wait_seconds += self._last_wait_seconds
         return finished
+
+    def _compile_lazily(self, descriptor) -> None:
+        """Compiles the executables of a step the first time its bucket and sampler show up.
+
+        NOTE: compiled here, as expected, so the runner warns only about a step that a ladder
+        compiled at start-up missed.
+        """
+        key = (descriptor.shape, self.runner.sampler_mode(descriptor))
+        if key not in self._compiled_lazily:
+            self.runner.compile([descriptor.shape], use_tqdm=False, sampler_modes=key[1:])
+            self._compiled_lazily.add(key)
 
     @staticmethod
     def _source_rows(descriptor, previous: _InFlight | None) -> np.ndarray | None:
