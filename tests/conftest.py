@@ -3,7 +3,8 @@
 import os
 
 # NOTE: must happen before jax is imported anywhere; harmless on GPU machines (host platform only).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Eight emulated devices: enough for TP=8 (tests/engine/test_tp.py).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest

@@ -1,6 +1,7 @@
-"""Tensor parallelism through the whole engine, on emulated CPU devices: greedy tokens at TP=2 and
-TP=4 equal TP=1's and transformers', with chunked prefill and prefix caching at work; and the
-same across two processes joined by `jax.distributed` (multi-controller, gloo collectives).
+"""Tensor parallelism through the whole engine, on emulated CPU devices: greedy tokens at TP=2,
+TP=4 and TP=8 equal TP=1's and transformers', with chunked prefill and prefix caching at work;
+and the same across two processes joined by `jax.distributed` (multi-controller, gloo
+collectives).
 
 Run as a script (`python tests/engine/test_tp.py --worker ...`) this file is one process of the
 two-process test.
@@ -21,6 +22,8 @@ import pytest
 
 # 8 query heads, 4 kv heads, head dim 64, 2 layers, hidden 128 (ffn 288), an untied LM head.
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, VOCAB = 8, 4, 64, 128, 2, 256
+# The same with 16 query heads, 8 kv heads, head dim 32: kv heads are sharded, so TP=8 needs 8.
+TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM = 16, 8, 32
 NUM_TOKENS = 10
 SETTINGS = dict(
     kvcache_block_size=16,
@@ -50,8 +53,9 @@ def generate(llm) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(make_prompts(), greedy, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+def save_checkpoint(
+    tmp_path_factory, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[Path, list[list[int]]]:
     """A transformers Qwen3 saved to disk, and its greedy tokens for `make_prompts()`."""
     import torch
     from hf_reference import random_qwen3
@@ -60,9 +64,9 @@ def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
         vocab_size=VOCAB,
         hidden=HIDDEN,
         layers=LAYERS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         tied=False,
         max_position_embeddings=256,
     )
@@ -79,8 +83,21 @@ def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     return path, reference
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    return save_checkpoint(tmp_path_factory, HEADS, KV_HEADS, HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tp8(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    return save_checkpoint(tmp_path_factory, TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM)
+
+
+def check_greedy_tokens_and_shards(
+    checkpoint, tp: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
+    KV cache are split `tp` ways."""
     from jaxllm import LLM
 
     path, reference = checkpoint
@@ -93,13 +110,24 @@ def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
     params = llm.engine.runner.params
     q_proj = params["layers"]["attn"]["q_proj"]
     assert len(q_proj.addressable_shards) == tp
-    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, HEADS // tp, HEAD_DIM)
+    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, num_heads // tp, head_dim)
     down_proj = params["layers"]["mlp"]["down_proj"]
     assert down_proj.addressable_shards[0].data.shape == (LAYERS, (2 * HIDDEN + 32) // tp, HIDDEN)
     assert params["embed"].addressable_shards[0].data.shape == (VOCAB // tp, HIDDEN)
     assert params["lm_head"].addressable_shards[0].data.shape == (HIDDEN, VOCAB // tp)
     keys = llm.engine.runner.kv_cache.keys
-    assert keys.addressable_shards[0].data.shape == (LAYERS, 32, 16, KV_HEADS // tp, HEAD_DIM)
+    assert len(keys.addressable_shards) == tp
+    assert keys.addressable_shards[0].data.shape == (LAYERS, 32, 16, num_kv_heads // tp, head_dim)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
+    check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM)
+
+
+def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
+    """TP=8 (one kv head and two query heads per device) on 8 emulated devices."""
+    check_greedy_tokens_and_shards(checkpoint_tp8, 8, TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_at_construction():
