@@ -69,7 +69,8 @@ class StepStats:
 
     `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into handing the
     step to the device (`ModelRunner.execute`) and `wait_seconds` into reading the previous
-    step's tokens (waiting for the device); the rest is host work (scheduling, descriptors).
+    step's tokens (waiting for the device, booked under this step's kind, so the first decode
+    step after a prefill waits for that prefill); the rest is host work.
     """
 
     tokens: int = 0
@@ -180,9 +181,11 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=tuple(int(t) for t in eos if t is not None),
         )
-        # NOTE: these kernels read only each sequence's context, so the table width does not
-        # change their work: every table is padded to the widest (fewer executables).
-        one_width = self.model_config.attention_backend in ("flash", "pallas")
+        # NOTE: FA3 (and the Pallas decode kernel, whose prefill is FA3's) reads only each
+        # sequence's context, so the table width does not change its work: every table is
+        # padded to the widest (fewer executables). The portable backend gathers whole tables.
+        backend = self.model_config.attention_backend
+        one_width = backend == "flash" or (backend == "pallas" and flash_available())
         ladder = BucketLadder.from_config(sizing, one_width=one_width)
         num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size, ladder)
         if num_blocks * block_size < config.max_model_len:

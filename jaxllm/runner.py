@@ -185,7 +185,7 @@ class ModelRunner:
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
         model's, and the sampler's in each of `sampler_modes`."""
-        shapes = list(shapes)
+        shapes, sampler_modes = list(shapes), tuple(sampler_modes)
         samplers = sorted(
             {(shape.num_sampled, mode) for shape in shapes for mode in sampler_modes}
             - set(self._sample_executables)

@@ -140,10 +140,11 @@ def paged_decode_attention(
     num_blocks, block_size, num_kv_heads, _ = key_pool.shape
     width = block_tables.shape[1]
     rows = min(rows, block_size * num_kv_heads)  # a tile stays inside one block
-    if rows % num_kv_heads or block_size % (rows // num_kv_heads):
+    if rows < 16 or rows & (rows - 1) or rows % num_kv_heads or block_size % (rows // num_kv_heads):
         raise ValueError(
-            f"the decode kernel needs {num_kv_heads} kv heads to divide {rows} and "
-            f"{rows // num_kv_heads} tokens to divide the block size {block_size}"
+            f"the decode kernel's tile of {rows} cache rows (at most block_size x kv heads = "
+            f"{block_size} x {num_kv_heads}) must be a power of two >= 16 that the kv heads per "
+            f"device divide, into a number of tokens that divides the block size"
         )
     splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
     padded_heads = max(16, pl.next_power_of_2(num_heads))

@@ -174,6 +174,9 @@ def sample(
     else:
         threshold = jnp.full_like(row_max, -jnp.inf)
     keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
+    # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
+    # it may round below a min_p near 1); without it a row could keep nothing.
+    keep = keep | (jnp.arange(vocab_size)[None, :] == greedy_tokens[:, None])
     noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
     sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
     return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))

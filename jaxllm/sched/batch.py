@@ -19,6 +19,9 @@ from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.scheduler import ScheduledBatch
 from jaxllm.sched.sequence import Sequence
 
+# top_k travels as int32; any larger value means the same as the whole vocabulary.
+INT32_MAX = np.iinfo(np.int32).max
+
 StepKind = Literal["prefill", "decode"]
 
 
@@ -113,7 +116,7 @@ class BatchDescriptor:
     Model inputs, exactly as `jaxllm.model.inputs.ModelInputs` (int32):
         token_ids [T], positions [T], slot_mapping [T] (-1 on padding rows),
         block_tables [G, W], context_lens [G], sample_indices [S].
-    Sampler inputs, one per sampled row (padding rows: temperature 1, top_k 0, top_p 1, min_p 0,
+    Sampler inputs, one per sampled row (padding rows: temperature 0, top_k 0, top_p 1, min_p 0,
     seed 0, step 0):
         temperature [S] f32, top_k [S] i32, top_p [S] f32, min_p [S] f32,
         seeds [S] uint32 (`params.sampling_seed` folded to 32 bits: low ^ high word),
@@ -287,8 +290,10 @@ class BatchBuilder:
         ]
         return BatchDescriptor(
             *model_inputs,
-            temperature=_padded([p.temperature for p in params], num_rows, 1.0, np.float32),
-            top_k=_padded([p.top_k for p in params], num_rows),
+            # NOTE: padding rows are greedy, so they never make the host pick a costlier
+            # sampler variant than the real rows need (sampler.sampler_mode).
+            temperature=_padded([p.temperature for p in params], num_rows, 0.0, np.float32),
+            top_k=_padded([min(p.top_k, INT32_MAX) for p in params], num_rows),
             top_p=_padded([p.top_p for p in params], num_rows, 1.0, np.float32),
             min_p=_padded([p.min_p for p in params], num_rows, 0.0, np.float32),
             seeds=_padded([(s ^ (s >> 32)) & 0xFFFFFFFF for s in seeds], num_rows, 0, np.uint32),

@@ -247,9 +247,11 @@ def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
     logits = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32) * 3)
     if mode == "greedy":
         params = [SamplingParams(temperature=0.0, top_k=7)] * 16
-    else:  # random rows with min-p, and greedy rows among them
+    else:  # random rows with min-p (up to 1: only the top token), greedy rows among them
+        temperatures = [0.0, 0.8, 1e-4, 1.3]
+        min_ps = [0.05, 1.0, 0.999, 0.0]
         params = [
-            SamplingParams(temperature=0.0 if row % 4 == 0 else 0.8, min_p=0.05, seed=row)
+            SamplingParams(temperature=temperatures[row % 4], min_p=min_ps[row // 4], seed=row)
             for row in range(16)
         ]
     inputs = SamplingInputs.from_params(params, range(16))
@@ -257,6 +259,10 @@ def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
     cheap = jax.jit(functools.partial(sample, mode=mode))(logits, inputs)
     general = jax.jit(functools.partial(sample, mode="filtered"))(logits, inputs)
     np.testing.assert_array_equal(np.asarray(cheap), np.asarray(general))
+    if mode == "random":  # min_p = 1 keeps the top token alone
+        np.testing.assert_array_equal(
+            np.asarray(cheap)[4:8], np.asarray(logits).argmax(axis=-1)[4:8]
+        )
 
 
 def test_only_the_filtering_sampler_branches_on_device_values():

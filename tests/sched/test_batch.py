@@ -69,7 +69,7 @@ def test_prefill_tiles_are_front_padded():
     assert desc.query_starts.tolist() == [2, 9, 0, 0]
     assert desc.query_lens.tolist() == [6, 3, 0, 0]
     assert desc.seq_lens.tolist() == [6, 3, 0, 0]
-    assert desc.temperature.tolist() == [0.5, 1.0, 1.0, 1.0]
+    assert desc.temperature.tolist() == [0.5, 1.0, 0.0, 0.0]  # padding rows are greedy
     assert desc.top_k.tolist() == [3, 0, 0, 0]
     assert desc.top_p.tolist() == pytest.approx([1.0, 0.8, 1.0, 1.0])
     assert desc.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0])
@@ -116,7 +116,7 @@ def test_decode_rows_slots_and_sampling_arrays():
     assert desc.context_lens.tolist() == [5, 7, 6, 0]
     assert desc.sample_indices.tolist() == [0, 1, 2, 0]
     assert desc.block_tables.tolist() == [[0, 5], [1, 2], [3, 4], [0, 0]]
-    assert desc.temperature.tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert desc.temperature.tolist() == [0.0, 1.0, 1.0, 0.0]
     assert desc.sample_steps.tolist() == [2, 2, 2, 0]
     assert desc.query_starts.tolist() == [0, 1, 2, 0] and desc.query_lens.tolist() == [1, 1, 1, 0]
     assert desc.seq_lens.tolist() == [5, 7, 6, 0]
@@ -144,3 +144,20 @@ def test_large_steps_have_the_largest_shapes():
     assert desc.shape == ("prefill", 16384, 128, 128, 64)
     assert desc.slot_mapping.tolist() == list(range(16384))
     assert desc.context_lens.tolist() == list(range(128, 16385, 128))
+
+
+def test_greedy_requests_in_a_padded_bucket_take_the_greedy_sampler():
+    """Padding rows must not make the host pick a costlier sampler than the real rows need;
+    a top_k beyond int32 travels as int32's largest value (the whole vocabulary either way)."""
+    from jaxllm.model.sampler import sampler_mode
+
+    scheduler = make_scheduler()
+    harness = Harness(scheduler)
+    make_seq(scheduler, 3, max_tokens=4, temperature=0.0, top_k=2**40)
+    make_seq(scheduler, 5, max_tokens=4, temperature=0.0)
+    make_seq(scheduler, 2, max_tokens=4, temperature=0.0)
+    for _ in range(2):  # the prefill step, then a decode step: 3 rows in a bucket of 4
+        desc, _ = harness.step()
+        assert desc.shape.num_sampled == 4
+        assert desc.top_k.tolist() == [np.iinfo(np.int32).max, 0, 0, 0]
+        assert sampler_mode(desc.temperature, desc.top_k, desc.top_p, 1000) == "greedy"
