@@ -94,14 +94,19 @@ def checkpoint_tp8(tmp_path_factory) -> tuple[Path, list[list[int]]]:
 
 
 def check_greedy_tokens_and_shards(
-    checkpoint, tp: int, num_heads: int, num_kv_heads: int, head_dim: int
+    checkpoint,
+    tp: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    attention_backend: str = "auto",
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
     KV cache are split `tp` ways."""
     from jaxllm import LLM
 
     path, reference = checkpoint
-    llm = LLM(str(path), tensor_parallel_size=tp, **SETTINGS)
+    llm = LLM(str(path), tensor_parallel_size=tp, attention_backend=attention_backend, **SETTINGS)
 
     assert generate(llm) == reference
     stats = llm.cache_stats()
@@ -128,6 +133,12 @@ def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
 def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
     """TP=8 (one kv head and two query heads per device) on 8 emulated devices."""
     check_greedy_tokens_and_shards(checkpoint_tp8, 8, TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM)
+
+
+def test_pallas_decode_kernel_under_the_mesh(checkpoint):
+    """The "pallas" backend at TP=2: its kernel (interpreted on a CPU) under shard_map, the step
+    lowered for the GSPMD partitioner as on a GPU (`sharding.partitioner_for`)."""
+    check_greedy_tokens_and_shards(checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas")
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_at_construction():
