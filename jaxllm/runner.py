@@ -16,8 +16,11 @@ and passes the same host arrays; each becomes one global, replicated array.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +40,9 @@ from jaxllm.sched.batch import BatchDescriptor, BucketShape
 
 logger = logging.getLogger(__name__)
 
+# Executables compiled at once at start-up.
+COMPILE_THREADS = 8
+
 
 class CompilationCounter:
     """Counts XLA executables built (or loaded from the persistent cache) in this process."""
@@ -45,11 +51,13 @@ class CompilationCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self._lock = threading.Lock()  # start-up compiles on several threads
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == self._EVENT:
-            self.count += 1
+            with self._lock:
+                self.count += 1
 
 
 # NOTE: one listener per process: JAX offers no way to unregister one, so engines share this
@@ -97,6 +105,26 @@ def _sample_step(logits, sampling, *, num_rows: int, mode: str):
     """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
     tokens = sample(logits, sampling, mode=mode)
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
+
+
+def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any, Any]:
+    """Compiles lowered programs (or loads them from the persistent cache) a few at a time on
+    threads, as JAX allows and JetStream's AOT warm-up does: XLA's compiler releases the GIL,
+    and most of one compile is single-threaded. Ticks `bar` as each is done."""
+    workers = min(COMPILE_THREADS, len(programs), os.cpu_count() or 1)
+    if workers <= 1:
+        compiled = {}
+        for key, program in programs.items():
+            compiled[key] = program.compile()
+            bar.update(1)
+        return compiled
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(program.compile): key for key, program in programs.items()}
+        compiled = {}
+        for future in concurrent.futures.as_completed(futures):
+            compiled[futures[future]] = future.result()
+            bar.update(1)
+    return compiled
 
 
 def step_scratch_bytes(
@@ -200,26 +228,29 @@ class ModelRunner:
             desc="Compiling buckets",
             disable=not use_tqdm or not shapes,
         ) as bar:
+            sampler_programs = {}
             for num_rows, mode in samplers:
                 logits = jax.ShapeDtypeStruct(
                     (num_rows, self.config.vocab_size), logits_dtype, sharding=self._replicated
                 )
                 sampling = _sampling_inputs(num_rows, self._replicated)
-                lowered = self._sample.lower(logits, sampling, mode=mode)
-                self._sample_executables[num_rows, mode] = lowered.compile()
-                bar.update(1)
+                sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
+            self._sample_executables |= _compile_all(sampler_programs, bar)
             previous = jax.ShapeDtypeStruct(
                 (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
             )
-            for shape in shapes:
-                inputs = _model_inputs(shape, self._replicated)
-                sources = jax.ShapeDtypeStruct(
-                    (shape.num_tokens,), jnp.int32, sharding=self._replicated
-                )
-                with partitioner_for(self.config, self.mesh):
-                    lowered = self._forward.lower(self.params, cache, inputs, previous, sources)
-                    self._forward_executables[shape] = lowered.compile()
-                bar.update(1)
+            # NOTE: the steps are compiled under the partitioner they were lowered for.
+            with partitioner_for(self.config, self.mesh):
+                forward_programs = {}
+                for shape in shapes:
+                    inputs = _model_inputs(shape, self._replicated)
+                    sources = jax.ShapeDtypeStruct(
+                        (shape.num_tokens,), jnp.int32, sharding=self._replicated
+                    )
+                    forward_programs[shape] = self._forward.lower(
+                        self.params, cache, inputs, previous, sources
+                    )
+                self._forward_executables |= _compile_all(forward_programs, bar)
 
     def execute(
         self,
