@@ -10,9 +10,10 @@ The random draw is Gumbel-max over the whole vocabulary with noise from a key de
 (seed, step) of the row alone: a seeded request's tokens do not depend on the rest of the batch,
 its row index or the batch size.
 
-The host picks one of three variants per step (`sampler_mode`), compiled separately: "greedy"
-(all rows greedy: an argmax), "random" (no row filters by top-k/top-p) and "filtered" (the
-general case). The choice is made on the host, not with `lax.cond` on device values: outside
+The host picks one of four variants per step (`sampler_mode`), compiled separately: "greedy"
+(all rows greedy: an argmax), "random" (no row filters by top-k/top-p), "top-k" (the rows that
+filter keep at most 256 tokens by top-k) and "filtered" (the general case, which may need a full
+sort). The choice is made on the host, not with `lax.cond` on device values: outside
 CUDA graphs, XLA:GPU copies a conditional's predicate to the host and waits for it, which holds
 the dispatching thread until the device has finished everything queued before (the model's
 step) and so keeps the engine from preparing the next step meanwhile.
@@ -42,7 +43,7 @@ GREEDY_TEMPERATURE = 1e-5
 # rows that need the full sort; temperature alone 1.3 ms, all greedy 0.24 ms.
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
-SAMPLER_MODES = ("greedy", "random", "filtered")
+SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
 
 
 @struct.dataclass
@@ -110,15 +111,21 @@ def sampler_mode(
 ) -> str:
     """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
 
-    "greedy" when every row is greedy, "filtered" when a random row filters by top-k or top-p,
-    else "random".
+    "greedy" when every row is greedy; "random" when no random row filters by top-k or top-p;
+    "top-k" when every random row that filters keeps at most `NUM_CANDIDATE_BLOCKS` tokens by
+    top-k (whatever its top-p; Qwen3's recommended top_k=20, top_p=0.95 is such a row); else
+    "filtered".
     """
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
         return "greedy"
     top_k = np.asarray(top_k)
-    filtering = ((top_k > 0) & (top_k < vocab_size)) | (np.asarray(top_p) < 1.0)
-    return "filtered" if (random_rows & filtering).any() else "random"
+    top_k = np.where(top_k >= vocab_size, 0, top_k)
+    filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0))
+    if not filtering.any():
+        return "random"
+    small_k = (top_k >= 1) & (top_k <= NUM_CANDIDATE_BLOCKS)
+    return "top-k" if small_k[filtering].all() else "filtered"
 
 
 def sample(
@@ -155,7 +162,7 @@ def sample(
     vocab_size = scaled.shape[-1]
     row_max = jnp.max(scaled, axis=-1)  # [S]
     ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
-    if mode == "filtered":
+    if mode in ("top-k", "filtered"):
         # NOTE: greedy rows switch their filters off, so they never cost a sort.
         top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
         top_k = jnp.maximum(top_k, 0)
@@ -170,6 +177,7 @@ def sample(
             filtered,
             candidate_block_size,
             num_candidate_blocks,
+            fallback=mode == "filtered",
         )
     else:
         threshold = jnp.full_like(row_max, -jnp.inf)
@@ -215,22 +223,32 @@ def _top_k_top_p_threshold(
     filtered: jax.Array,
     block_size: int,
     num_blocks: int,
+    fallback: bool = True,
 ) -> jax.Array:
     """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing).
 
-    Each row's threshold comes from its candidates when its kept set ends strictly above the
-    candidates' bound; the other rows (if any) sort their whole row. The choice is per row, so a
-    row's result does not depend on the other rows.
+    Each row's threshold comes from its candidates when that is exact: always for 1 <= top_k <=
+    `num_blocks` (the k largest logits lie in the k blocks with the largest maxima), else when
+    the kept set ends strictly above the candidates' bound. The other rows (if any) sort their
+    whole row. The choice is per row, so a row's result does not depend on the other rows.
 
     NOTE: the full sort runs under `lax.cond` (it costs milliseconds and is rarely needed); on a
-    GPU that conditional waits for the device, so only steps that filter pay it.
+    GPU that conditional waits for the device. `fallback=False` leaves it out, for batches
+    whose filtering rows all have a small top_k (the "top-k" sampler mode).
     """
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
     candidates, bound = _candidates(scaled, block_size, num_blocks)
-    threshold, k_threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p)
-    # NOTE: thresholds above the bound mean that every token kept is a candidate and the top-k
-    # mass (which top-p divides by) is complete: the candidates gave the exact answer.
-    exact = (threshold > bound) & ((top_k == 0) | (k_threshold > bound))
+    k_threshold = _kth_largest(candidates, top_k)
+    # NOTE: the top-k mass over the whole row: tokens tied with the k-th largest count even
+    # when they lie outside the candidates.
+    k_mass = jnp.sum(jnp.where(scaled >= k_threshold[:, None], ratio, 0.0), axis=-1)
+    threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p, k_mass)[0]
+    if not fallback:
+        return jnp.where(filtered, threshold, -jnp.inf)
+    # NOTE: otherwise a threshold above the bound means that every token kept is a candidate and
+    # the top-k mass is complete: the candidates gave the exact answer.
+    small_k = (top_k >= 1) & (top_k <= num_blocks)
+    exact = small_k | ((threshold > bound) & ((top_k == 0) | (k_threshold > bound)))
     exact = ~filtered | exact
 
     def sort_rows() -> jax.Array:
@@ -240,6 +258,14 @@ def _top_k_top_p_threshold(
 
     threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, sort_rows)
     return jnp.where(filtered, threshold, -jnp.inf)
+
+
+def _kth_largest(descending: jax.Array, top_k: jax.Array) -> jax.Array:
+    """[S] each row's top_k-th largest value of [S, W] descending (-inf where top_k is 0)."""
+    width = descending.shape[-1]
+    k_index = jnp.where(top_k > 0, jnp.minimum(top_k, width), width) - 1
+    k_threshold = jnp.take_along_axis(descending, k_index[:, None], axis=-1)[:, 0]
+    return jnp.where(top_k > 0, k_threshold, -jnp.inf)
 
 
 def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[jax.Array, jax.Array]:
@@ -268,20 +294,23 @@ def _threshold_from_sorted(
     full_mass: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
+    k_mass: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k/top-p thresholds from the W largest scaled logits of each row, [S, W] descending.
+
+    `k_mass` is the top-k set's mass (in units of the top token's probability) where the
+    caller knows it; else it is summed over the W values.
 
     Returns:
         ([S] the combined threshold, [S] the top-k one (-inf where top-k is off)). Exact when
         both end strictly inside the W values (always when W == V).
     """
-    width = descending.shape[-1]
-    k_index = jnp.where(top_k > 0, jnp.minimum(top_k, width), width) - 1
-    k_threshold = jnp.take_along_axis(descending, k_index[:, None], axis=-1)[:, 0]
-    k_threshold = jnp.where(top_k > 0, k_threshold, -jnp.inf)
+    k_threshold = _kth_largest(descending, top_k)
     in_top_k = descending >= k_threshold[:, None]  # [S, W]
     weights = jnp.where(in_top_k, jnp.exp(descending - row_max[:, None]), 0.0)  # [S, W]
-    mass = jnp.where(top_k > 0, jnp.sum(weights, axis=-1), full_mass)  # [S]
+    if k_mass is None:
+        k_mass = jnp.sum(weights, axis=-1)
+    mass = jnp.where(top_k > 0, k_mass, full_mass)  # [S]
     cumulative = jnp.cumsum(weights, axis=-1)
     mass_before = jnp.concatenate([jnp.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], -1)
     # Keep the prefix up to and including the first token at which the mass reaches top_p.

@@ -198,7 +198,8 @@ def uses_candidates(logits, inputs, block_size, num_blocks):
         candidates, row_max, full_mass, jnp.asarray(inputs.top_k), jnp.asarray(inputs.top_p)
     )
     filtered = (inputs.top_k > 0) | (inputs.top_p < 1)
-    fits = (threshold > bound) & ((inputs.top_k == 0) | (k_threshold > bound))
+    small_k = (inputs.top_k >= 1) & (inputs.top_k <= num_blocks)
+    fits = small_k | ((threshold > bound) & ((inputs.top_k == 0) | (k_threshold > bound)))
     return np.asarray(fits) | ~filtered
 
 
@@ -235,10 +236,15 @@ def test_the_host_picks_the_cheapest_exact_sampler():
     assert mode(0.0, top_k=5, top_p=0.5) == "greedy"  # greedy rows ignore their filters
     assert mode(0.7) == "random"
     assert mode(0.7, top_k=1000) == "random"  # top_k >= vocab keeps every token
-    assert mode(0.7, top_k=5) == "filtered"
+    assert mode(0.7, top_k=5) == "top-k"
+    assert mode(0.7, top_k=20, top_p=0.95) == "top-k"  # Qwen3's recommended settings
+    assert mode(0.7, top_k=300) == "filtered"  # beyond the 256 candidate blocks
     assert mode(0.7, top_p=0.9) == "filtered"
-    mixed = sampler_mode(np.array([0.0, 0.8]), np.array([5, 0]), np.array([1.0, 1.0]), 1000)
-    assert mixed == "random"
+    temperature = np.array([0.0, 0.8, 0.8])
+    greedy_and_random = sampler_mode(temperature[:2], np.array([5, 0]), np.ones(2), 1000)
+    assert greedy_and_random == "random"
+    mixed = sampler_mode(temperature, np.array([0, 5, 0]), np.array([0.5, 1.0, 0.9]), 1000)
+    assert mixed == "filtered"  # the last row filters by top-p alone
 
 
 @pytest.mark.parametrize("mode", ["greedy", "random"])
@@ -274,3 +280,40 @@ def test_only_the_filtering_sampler_branches_on_device_values():
         text = jax.jit(functools.partial(sample, mode=mode)).lower(logits, inputs).as_text()
         has_branch = "stablehlo.case" in text or "stablehlo.if" in text
         assert has_branch == (mode == "filtered"), mode
+
+
+def test_the_top_k_mode_equals_the_general_sampler_with_ties_and_few_candidates():
+    """With 16 candidate blocks of 4 tokens, top_k <= 16 needs no full sort, even when the
+    k-th largest logit is tied with logits outside the candidates (logits on a coarse grid)."""
+    rng = np.random.default_rng(6)
+    logits = np.round(rng.normal(size=(48, 300)) * 2) / 2  # many ties
+    logits[::3] = rng.normal(size=(16, 300))  # and some rows without
+    settings = [(1, 1.0), (3, 0.5), (16, 0.95), (16, 0.8), (16, 0.6), (8, 0.9)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if row % 7 == 0 else 0.9,
+            top_k=settings[row % 6][0],
+            top_p=settings[row % 6][1],
+            seed=row,
+        )
+        for row in range(48)
+    ]
+    inputs = SamplingInputs.from_params(params, range(48))
+    logits = jnp.asarray(logits.astype(np.float32))
+    few = functools.partial(sample, candidate_block_size=4, num_candidate_blocks=16)
+    top_k_mode = jax.jit(functools.partial(few, mode="top-k"))(logits, inputs)
+    general = jax.jit(functools.partial(few, mode="filtered"))(logits, inputs)
+    np.testing.assert_array_equal(np.asarray(top_k_mode), np.asarray(general))
+    # The kept sets themselves: the thresholds equal those of a full sort (75 blocks of 4).
+    scaled = logits / 0.9
+    row_max = scaled.max(-1)
+    ratio = jnp.exp(scaled - row_max[:, None])
+    top_k, top_p = jnp.asarray(inputs.top_k), jnp.asarray(inputs.top_p)
+    filtered = jnp.ones(48, bool)
+
+    def thresholds(num_blocks, fallback):
+        return sampler_module._top_k_top_p_threshold(
+            scaled, ratio, row_max, top_k, top_p, filtered, 4, num_blocks, fallback
+        )
+
+    np.testing.assert_array_equal(thresholds(16, False), thresholds(75, True))
