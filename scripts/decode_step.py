@@ -104,6 +104,11 @@ def main() -> None:
     )
     sampler = jax.jit(functools.partial(sample, mode="random"))
     rows.append(("sampler (temperature 0.6)", timed(sampler, logits, sampling)))
+    qwen3_recommended = sampling.replace(
+        top_k=jnp.full((args.batch,), 20, jnp.int32), top_p=jnp.full((args.batch,), 0.95)
+    )
+    sampler = jax.jit(functools.partial(sample, mode="top-k"))
+    rows.append(("sampler (0.6, top_k 20, top_p 0.95)", timed(sampler, logits, qwen3_recommended)))
 
     kv_bytes = args.batch * args.context * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
