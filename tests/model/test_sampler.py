@@ -284,7 +284,8 @@ def test_only_the_filtering_sampler_branches_on_device_values():
 
 def test_the_top_k_mode_equals_the_general_sampler_with_ties_and_few_candidates():
     """With 16 candidate blocks of 4 tokens, top_k <= 16 needs no full sort, even when the
-    k-th largest logit is tied with logits outside the candidates (logits on a coarse grid)."""
+    k-th largest logit is tied with logits outside the candidates (logits on a coarse grid):
+    tokens and thresholds equal a full sort's."""
     rng = np.random.default_rng(6)
     logits = np.round(rng.normal(size=(48, 300)) * 2) / 2  # many ties
     logits[::3] = rng.normal(size=(16, 300))  # and some rows without
@@ -302,8 +303,10 @@ def test_the_top_k_mode_equals_the_general_sampler_with_ties_and_few_candidates(
     logits = jnp.asarray(logits.astype(np.float32))
     few = functools.partial(sample, candidate_block_size=4, num_candidate_blocks=16)
     top_k_mode = jax.jit(functools.partial(few, mode="top-k"))(logits, inputs)
-    general = jax.jit(functools.partial(few, mode="filtered"))(logits, inputs)
-    np.testing.assert_array_equal(np.asarray(top_k_mode), np.asarray(general))
+    # All 75 blocks of 4 as candidates: a full sort of every row.
+    sort = functools.partial(sample, candidate_block_size=4, num_candidate_blocks=75)
+    sorted_tokens = jax.jit(functools.partial(sort, mode="filtered"))(logits, inputs)
+    np.testing.assert_array_equal(np.asarray(top_k_mode), np.asarray(sorted_tokens))
     # The kept sets themselves: the thresholds equal those of a full sort (75 blocks of 4).
     scaled = logits / 0.9
     row_max = scaled.max(-1)
