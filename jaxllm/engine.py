@@ -220,10 +220,12 @@ class Engine:
 
     @staticmethod
     def _attention_backend(config: EngineConfig) -> str:
-        """The backend "auto" stands for: FlashAttention-3 where it runs, else the portable one."""
+        """The backend "auto" stands for: on a GPU, jaxllm's Pallas decode kernel (prefill on
+        FlashAttention-3 where installed), measured fastest end to end on the H200
+        (docs/performance.md); elsewhere the portable one."""
         if config.attention_backend != "auto":
             return config.attention_backend
-        return "flash" if flash_available() else "reference"
+        return "pallas" if is_gpu() else "reference"
 
     def _fit_num_blocks(self, params, block_size: int, ladder: BucketLadder) -> int:
         """KV blocks that fit in `memory_fraction` of the device beside the params and the

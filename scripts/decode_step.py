@@ -5,13 +5,22 @@ Times (median of repeated runs, device-bound loops):
   show the donated cache is updated in place (a copy of ~100 GB would take ~50 ms);
 - the attention kernel alone (all layers), the sampler alone, and the rest (matmuls, norms);
 and prints a table. The engine's wall time per decode step comes from `bench.py`'s decode tok/s.
+
+`--profile` also traces a few steps (model then sampler) with JAX's profiler and sums the
+device's kernel time per step by kind: attention kernel, matmuls, sampler, the rest (norms,
+RoPE, cache writes, merging splits). XLA does not use CUDA graphs while profiling, so the trace
+gives kernel times, not launch gaps; the gap is the timed step less the kernels' sum.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import glob
+import re
 import statistics
+import tempfile
 import time
 
 import jax
@@ -20,7 +29,6 @@ import numpy as np
 
 from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
-from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import forward
@@ -36,6 +44,60 @@ def timed(fn, *args, repeats: int = 20) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Kinds of device work, matched in order against "kernel name | hlo op | hlo module".
+KINDS = (
+    ("sampler", re.compile(r"jit_sample")),
+    ("attention kernel", re.compile(r"decode_kernel|flash|fmha|mha_", re.IGNORECASE)),
+    ("matmuls", re.compile(r"gemm|cublas|cutlass|xmma|\bdot", re.IGNORECASE)),
+    ("copies", re.compile(r"memcpy|memset", re.IGNORECASE)),
+)
+
+
+def kernel_seconds(trace_dir: str) -> dict[tuple[str, str, str], float]:
+    """Device time of a trace's kernels, by (kernel name, hlo op, hlo module)."""
+    from jax.profiler import ProfileData
+
+    [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    seconds: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        print(f"{plane.name}: lines {[line.name for line in plane.lines]}")
+        for line in plane.lines:
+            if "Stream" not in line.name:  # derived lines (XLA Modules, XLA Ops) repeat them
+                continue
+            for event in line.events:
+                stats = dict(event.stats)
+                key = (event.name, str(stats.get("hlo_op", "")), str(stats.get("hlo_module", "")))
+                seconds[key] += event.duration_ns * 1e-9
+    return seconds
+
+
+def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
+    """Traces `num_steps` of `run()` then `sampler()`; prints device time per step by kind."""
+    jax.block_until_ready((run(), sampler()))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(num_steps):
+            jax.block_until_ready((run(), sampler()))
+    seconds = kernel_seconds(trace_dir)
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for key, total in seconds.items():
+        text = " | ".join(key)
+        kind = next((k for k, pattern in KINDS if pattern.search(text)), "rest (fusions)")
+        by_kind[kind] += total / num_steps
+    print(f"\ndevice time per step (model + sampler), {num_steps} traced steps")
+    for kind, total in sorted(by_kind.items(), key=lambda item: -item[1]):
+        print(f"{kind:40s} {total * 1e3:8.3f} ms")
+    busy = sum(by_kind.values())
+    print(f"{'all kernels':40s} {busy * 1e3:8.3f} ms")
+    gaps = (step_seconds - busy) * 1e3
+    print(f"{'timed step + sampler, less kernels (gaps)':40s} {gaps:8.3f} ms")
+    print("\nlargest kernels (ms per step): name | hlo op | hlo module")
+    for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:15]:
+        print(f"{total / num_steps * 1e3:8.3f}  {' | '.join(key)[:110]}")
 
 
 def decode_inputs(batch: int, context: int, block_size: int, width: int, num_blocks: int):
@@ -60,9 +122,12 @@ def main() -> None:
     parser.add_argument("--model", default="random:qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
+    gpu = jax.default_backend() == "gpu"
+    parser.add_argument("--attention", default="pallas" if gpu else "reference")
+    parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
     args = parser.parse_args()
 
-    backend = "flash" if flash_available() else "reference"
+    backend = args.attention
     config, params = load_params(args.model)
     config = config.replace(attention_backend=backend)
     block_size, width = 256, 16
@@ -82,7 +147,10 @@ def main() -> None:
             return logits
 
         rows.append((f"decode step, {num_blocks} KV blocks", timed(run)))
-        del cache, holder
+        if num_blocks == 64:
+            step_on_small_cache = run
+        else:
+            del cache, holder
 
     cache = allocate_kv_cache(config, 64, block_size)
     key_pool, value_pool = cache.layer_views()
@@ -109,6 +177,11 @@ def main() -> None:
     )
     sampler = jax.jit(functools.partial(sample, mode="top-k"))
     rows.append(("sampler (0.6, top_k 20, top_p 0.95)", timed(sampler, logits, qwen3_recommended)))
+
+    if args.profile:
+        step_seconds = rows[0][1] + rows[-2][1]  # model step (64 blocks) + random sampler
+        sampler = jax.jit(functools.partial(sample, mode="random"))
+        profile(step_on_small_cache, lambda: sampler(logits, sampling), 5, step_seconds)
 
     kv_bytes = args.batch * args.context * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

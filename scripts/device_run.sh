@@ -31,13 +31,13 @@ logged() {
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests) logged tests 30 $ONE_GPU python3 -m pytest -q -m gpu tests ;;
+    tests) logged tests 30 $ONE_GPU python3 -m pytest -q -s -m gpu tests ;;
     tests:*) logged tests-one 30 $ONE_GPU python3 -m pytest -q -m gpu "${stage#tests:}" ;;
     bench-0.6b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
     bench-0.6b-warm) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --json "$OUT/$stage.json" ;;
     bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
       --json "$OUT/$stage.json" ;;
-    decode-step) logged "$stage" 30 $ONE_GPU python3 scripts/decode_step.py ;;
+    decode-step) logged "$stage" 45 $ONE_GPU python3 scripts/decode_step.py --profile ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x512 256x1024 256x2048 32x1024 ;;

@@ -1,4 +1,5 @@
-"""FlashAttention-3 (the "flash" backend) against the portable reference, on a GPU.
+"""The fast backends ("flash": FlashAttention-3; "pallas": jaxllm's decode kernel) against
+the portable reference, on a GPU.
 
 Skipped on CPU (`gpu` marker); run on the H200 with `python -m pytest -q -m gpu tests`.
 """
@@ -74,21 +75,28 @@ def test_flash_matches_reference_attention(tile_size, count, max_start, max_new)
     )
 
 
+def skip_unless_runs(backend: str) -> None:
+    from jaxllm.model import flash_attention
+
+    if backend == "flash" and not flash_attention.flash_available():
+        pytest.skip("flash-attn3-jax is not installed")
+
+
+@pytest.mark.parametrize("backend", ["flash", "pallas"])
 @pytest.mark.parametrize("num_layers", [4, 28])
-def test_flash_model_logits_match_reference_in_bfloat16(num_layers):
-    """Logits of the qwen3-0.6b shape (random weights, bf16): flash vs the portable backend.
+def test_fast_model_logits_match_reference_in_bfloat16(num_layers, backend):
+    """Logits of the qwen3-0.6b shape (random weights, bf16): a fast backend ("flash", or
+    "pallas": jaxllm's decode kernel, prefill on FA3) vs the portable backend.
 
     Both are compared with the float32 logits of the same weights: flash must be as close to
     them as the portable bf16 path is. On the H200 (2026-11-30), over 4 layers: flash-ref 1.04e-2,
     flash-f32 1.04e-2, ref-f32 1.03e-2; random bf16 weights alone put both backends about 1e-2
     from float32, so the direct bound is that noise floor plus a margin (1.5e-2).
     """
-    from jaxllm.model import flash_attention
     from jaxllm.model.config import PRESETS
     from jaxllm.model.qwen3 import init_params
 
-    if not flash_attention.flash_available():
-        pytest.skip("flash-attn3-jax is not installed")
+    skip_unless_runs(backend)
     config = PRESETS["qwen3-0.6b"].replace(num_layers=num_layers, dtype="bfloat16")
     params = init_params(config, seed=0)
     rng = np.random.default_rng(1)
@@ -100,14 +108,14 @@ def test_flash_model_logits_match_reference_in_bfloat16(num_layers):
 
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     logits = {}
-    for backend in ("reference", "flash", "float32"):
-        model, weights = config.replace(attention_backend=backend), params
-        if backend == "float32":
+    for run in ("reference", backend, "float32"):
+        model, weights = config.replace(attention_backend=run), params
+        if run == "float32":
             model = config.replace(attention_backend="reference", dtype="float32")
             weights = params32
         cache = allocate_kv_cache(model, num_blocks, BLOCK_SIZE)
         # NOTE: float32 means float32 on a GPU, not TF32; the bf16 runs keep the default.
-        precision = "highest" if backend == "float32" else None
+        precision = "highest" if run == "float32" else None
         with jax.default_matmul_precision(precision):
             prefill_logits, cache = step(weights, model, cache, prefill)
         # One decode step on top of the prefilled prompts (the same tokens for every run).
@@ -123,30 +131,31 @@ def test_flash_model_logits_match_reference_in_bfloat16(num_layers):
         )
         with jax.default_matmul_precision(precision):
             decode_logits, cache = step(weights, model, cache, decode)
-        logits[backend] = (np.asarray(prefill_logits), np.asarray(decode_logits))
+        logits[run] = (np.asarray(prefill_logits), np.asarray(decode_logits))
 
     def errors(a: str, b: str) -> list[float]:
         return [relative_error(x, y) for x, y in zip(logits[a], logits[b], strict=True)]
 
-    flash_vs_reference = errors("flash", "reference")
-    flash_vs_f32, reference_vs_f32 = errors("flash", "float32"), errors("reference", "float32")
-    report = f"flash-ref {flash_vs_reference}, flash-f32 {flash_vs_f32}, ref-f32 {reference_vs_f32}"
+    fast_vs_reference = errors(backend, "reference")
+    fast_vs_f32, reference_vs_f32 = errors(backend, "float32"), errors("reference", "float32")
+    report = f"{backend}-ref {fast_vs_reference}, {backend}-f32 {fast_vs_f32}, "
+    report += f"ref-f32 {reference_vs_f32}"
+    print(f"{num_layers} layers: {report}")
     if num_layers == 4:
-        assert max(flash_vs_reference) < 1.5e-2, report
-    for flash, reference in zip(flash_vs_f32, reference_vs_f32, strict=True):
-        assert flash < 1.25 * reference, report
+        assert max(fast_vs_reference) < 1.5e-2, report
+    for fast, reference in zip(fast_vs_f32, reference_vs_f32, strict=True):
+        assert fast < 1.25 * reference, report
 
 
-def test_flash_greedy_tokens_agree_until_a_bf16_near_tie():
+@pytest.mark.parametrize("backend", ["flash", "pallas"])
+def test_fast_greedy_tokens_agree_until_a_bf16_near_tie(backend):
     """Greedy decoding of the qwen3-0.6b shape (random bf16 weights) with each backend: the
     tokens agree until the first step where the portable backend's own top two logits are
     within bf16 noise of each other (then either choice is right)."""
-    from jaxllm.model import flash_attention
     from jaxllm.model.config import PRESETS
     from jaxllm.model.qwen3 import init_params
 
-    if not flash_attention.flash_available():
-        pytest.skip("flash-attn3-jax is not installed")
+    skip_unless_runs(backend)
     config = PRESETS["qwen3-0.6b"].replace(dtype="bfloat16")
     params = init_params(config, seed=0)
     rng = np.random.default_rng(2)
@@ -157,9 +166,9 @@ def test_flash_greedy_tokens_agree_until_a_bf16_near_tie():
     ]
     step = jax.jit(forward, static_argnums=1, donate_argnums=2)
 
-    def greedy(backend: str) -> tuple[np.ndarray, np.ndarray]:
+    def greedy(run: str) -> tuple[np.ndarray, np.ndarray]:
         """[steps, prompts] tokens and [steps, prompts, V] logits of greedy decoding."""
-        model = config.replace(attention_backend=backend)
+        model = config.replace(attention_backend=run)
         cache = allocate_kv_cache(model, num_blocks, BLOCK_SIZE)
         inputs = build_inputs(prompts, BLOCK_SIZE, 128, table_width=8, sample_all=False)
         tokens, all_logits = [], []
@@ -183,16 +192,16 @@ def test_flash_greedy_tokens_agree_until_a_bf16_near_tie():
         return np.stack(tokens), np.stack(all_logits)
 
     reference_tokens, reference_logits = greedy("reference")
-    flash_tokens, _ = greedy("flash")
+    fast_tokens, _ = greedy(backend)
     agreed = []
     for row in range(len(prompts)):
-        differ = np.flatnonzero(reference_tokens[:, row] != flash_tokens[:, row])
+        differ = np.flatnonzero(reference_tokens[:, row] != fast_tokens[:, row])
         agreed.append(int(differ[0]) if len(differ) else num_steps)
         if len(differ):
             step_logits = reference_logits[differ[0], row]
             gap = (
                 step_logits[reference_tokens[differ[0], row]]
-                - step_logits[flash_tokens[differ[0], row]]
+                - step_logits[fast_tokens[differ[0], row]]
             )
             # NOTE: bf16 noise on logits of this size: ~1e-2 relative (see the test above).
             noise = 3e-2 * np.abs(step_logits).max()
