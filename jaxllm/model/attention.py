@@ -16,6 +16,7 @@ head (N // K), H head dim.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import jax
@@ -26,6 +27,11 @@ from jaxllm.model.inputs import ModelInputs
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, ModelInputs], jax.Array]
 
 _BACKENDS: dict[str, AttentionFn] = {}
+# jaxllm's other backends live in modules of their own, imported when first looked up.
+_BUILTIN_MODULES = {
+    "flash": "jaxllm.model.flash_attention",
+    "pallas": "jaxllm.model.decode_attention",
+}
 
 
 def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn]:
@@ -42,6 +48,8 @@ def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn
 
 def get_attention_backend(name: str) -> AttentionFn:
     """The backend registered under `name`; a ValueError lists the known names otherwise."""
+    if name not in _BACKENDS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
     try:
         return _BACKENDS[name]
     except KeyError:
@@ -50,7 +58,9 @@ def get_attention_backend(name: str) -> AttentionFn:
 
 
 def attention_backends() -> tuple[str, ...]:
-    """Names of the registered backends."""
+    """Names of the registered backends (jaxllm's own included)."""
+    for module in _BUILTIN_MODULES.values():
+        importlib.import_module(module)
     return tuple(sorted(_BACKENDS))
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +67,17 @@ def test_registry_knows_reference_and_names_the_known_ones():
     assert "reference" in attention_backends()
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash3'; known: .*reference"):
         get_attention_backend("flash3")
+
+
+def test_jaxllms_own_backends_are_found_without_importing_their_modules():
+    """`Qwen3Config(attention_backend="pallas")` works in a fresh interpreter that imported only
+    the model (as a script calling `forward` does), not the engine that used to register it."""
+    code = (
+        "import sys; from jaxllm.model.attention import get_attention_backend as get;"
+        "assert 'jaxllm.model.decode_attention' not in sys.modules;"
+        "print(get('pallas').__module__, get('flash').__module__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    modules = ["jaxllm.model.decode_attention", "jaxllm.model.flash_attention"]
+    assert result.stdout.split() == modules
