@@ -38,6 +38,8 @@ for stage in "$@"; do
     bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
       --json "$OUT/$stage.json" ;;
     decode-step) logged "$stage" 45 $ONE_GPU python3 scripts/decode_step.py --profile ;;
+    decode-step:*) logged "decode-step-${stage#decode-step:}" 45 $ONE_GPU python3 \
+      scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x512 256x1024 256x2048 32x1024 ;;
