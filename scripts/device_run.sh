@@ -40,6 +40,9 @@ for stage in "$@"; do
     decode-step) logged "$stage" 45 $ONE_GPU python3 scripts/decode_step.py --profile ;;
     decode-step:*) logged "decode-step-${stage#decode-step:}" 45 $ONE_GPU python3 \
       scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
+    xla:*)  # xla:<flag without --xla_>:<stage>: run a stage with one more XLA flag
+      IFS=: read -r _ flag rest <<< "$stage"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x512 256x1024 256x2048 32x1024 ;;
