@@ -34,6 +34,9 @@ class EngineConfig:
             None: 128 on a GPU, 16 on a CPU.
         attention_backend: "auto" (the fastest available), "reference" (portable jax.numpy),
             or a registered backend name.
+        scan_layers: run the decoder layers as one `scan` over stacked weights (compile time
+            independent of depth), or as a loop over one buffer per layer (no per-step copies
+            of the weights on a GPU); None: a scan on a CPU, the loop on a GPU.
         compile_at_startup: compile every bucket of the ladder before serving.
         compilation_cache_dir: JAX's persistent compilation cache; "" turns it off.
     """
@@ -52,6 +55,7 @@ class EngineConfig:
     seed: int = 0
     prefill_tile: int | None = None
     attention_backend: str = "auto"
+    scan_layers: bool | None = None
     compile_at_startup: bool = True
     compilation_cache_dir: str = dataclasses.field(
         default_factory=lambda: os.environ.get(

@@ -21,6 +21,7 @@ from jaxllm.model import decode_attention  # noqa: F401 (registers the "pallas" 
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
+from jaxllm.model.qwen3 import unstack_layers
 from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner, step_scratch_bytes
@@ -156,6 +157,9 @@ class Engine:
         model_config, params = load_params(
             model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
         )
+        scan_layers = not is_gpu() if config.scan_layers is None else config.scan_layers
+        if not scan_layers:  # before sizing the cache: the stacked arrays are freed here
+            params = unstack_layers(params)
         self.model_config = model_config.replace(attention_backend=self._attention_backend(config))
         is_random = model_path.startswith(RANDOM_PREFIX)
         self.tokenizer = load_tokenizer(None if is_random else model_path)

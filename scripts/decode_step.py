@@ -31,7 +31,7 @@ from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import forward
+from jaxllm.model.qwen3 import forward, is_stacked, unstack_layers
 from jaxllm.model.sampler import SamplingInputs, sample
 
 
@@ -126,10 +126,15 @@ def main() -> None:
     gpu = jax.default_backend() == "gpu"
     parser.add_argument("--attention", default="pallas" if gpu else "reference")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
+    parser.add_argument(
+        "--scan-layers", action="store_true", help="scan stacked weights (default: a loop on a GPU)"
+    )
     args = parser.parse_args()
 
     backend = args.attention
     config, params = load_params(args.model)
+    if gpu and not args.scan_layers:  # as the engine runs it (see qwen3.py)
+        params = unstack_layers(params)
     config = config.replace(attention_backend=backend)
     block_size, width = 256, 16
     step = jax.jit(forward, static_argnums=1, donate_argnums=2)
@@ -186,7 +191,8 @@ def main() -> None:
 
     kv_bytes = args.batch * args.context * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    print(f"\n{args.model}, batch {args.batch}, context {args.context}, {backend}")
+    layout = "stacked weights, scan" if is_stacked(params) else "a buffer per layer, loop"
+    print(f"\n{args.model}, batch {args.batch}, context {args.context}, {backend}, {layout}")
     print(f"bytes per step: KV {kv_bytes / 1e9:.2f} GB, weights {weight_bytes / 1e9:.2f} GB")
     print(f"bound at 4.3 TB/s: {(kv_bytes + weight_bytes) / 4.3e12 * 1e3:.2f} ms")
     for name, seconds in rows:

@@ -5,6 +5,14 @@ embed, a `nn.scan` over the stacked decoder layers (compile time independent of 
 carries the paged KV cache, the final norm, and the LM head at the sampled rows only.
 Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place.
 
+Layer loop. Inside the scan each layer's weights are a dynamic slice of the stacked arrays, and
+XLA:GPU copies every slice that feeds a matmul before using it: on an H200 that is 7 ms of a
+28 ms qwen3-8b decode step (all the layer weights read and written once more). So the GPU
+engine runs the model with one buffer per layer (`unstack_layers`: params "layers_0" ...
+"layers_{L-1}", each without the L axis) and a Python loop over them (`scan_layers=False`);
+compile time then grows with depth. The stacked tree stays the format of checkpoints and of
+`load_params`.
+
 Tensor parallelism. `sharded_forward(config, mesh)` runs the same `forward` under `shard_map`
 over the mesh's "tp" axis. Inside, every array is one device's block: the module is built with
 `tp_size` (a static int beside the global, unchanged config) and derives its local shapes from
@@ -75,6 +83,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     config: Qwen3Config
     tp_size: int = 1
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(self, kv_cache: KVCache, inputs: ModelInputs) -> tuple[jax.Array, KVCache]:
@@ -85,16 +94,22 @@ class Qwen3ForCausalLM(nn.Module):
         x = embed_tokens(embed, inputs.token_ids, tp)  # [T, D]
         cos, sin = rotary_cos_sin(inputs.positions, c.head_dim, c.rope_theta)  # [T, H] each
 
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = layers(c, tp, name="layers")((x, kv_cache), layer_ids, cos, sin, inputs)
+        if self.scan_layers:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+            carry = (x, kv_cache)
+            (x, kv_cache), _ = layers(c, tp, name="layers")(carry, layer_ids, cos, sin, inputs)
+        else:
+            for i in range(c.num_layers):
+                layer = DecoderLayer(c, tp, name=f"layers_{i}")
+                (x, kv_cache), _ = layer((x, kv_cache), i, cos, sin, inputs)
 
         x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[inputs.sample_indices])  # [S, D]
         if c.tie_word_embeddings:
@@ -125,16 +140,51 @@ def forward(
     Returns:
         logits [S, V] float32 at `inputs.sample_indices`, and the updated cache.
     """
-    return Qwen3ForCausalLM(config, tp_size).apply({"params": params}, kv_cache, inputs)
+    model = Qwen3ForCausalLM(config, tp_size, scan_layers=is_stacked(params))
+    return model.apply({"params": params}, kv_cache, inputs)
+
+
+def is_stacked(params: Params) -> bool:
+    """Whether the layer params are stacked on an L axis ("layers"), not one tree per layer."""
+    return "layers" in params
+
+
+def unstack_layers(params: Params) -> Params:
+    """The param tree with one buffer per layer ("layers_{i}", see the module docstring).
+
+    Made by slicing on the device(s); each slice keeps its sharding. The stacked arrays are
+    freed when the caller drops them.
+    """
+    if not is_stacked(params):
+        return params
+    layers = params["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    unstacked = {name: value for name, value in params.items() if name != "layers"}
+    for i in range(num_layers):
+        unstacked[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
+    return unstacked
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of `unstack_layers`: layer params stacked on a leading L axis."""
+    if is_stacked(params):
+        return params
+    names = sorted(
+        (name for name in params if name.startswith("layers_")), key=lambda n: int(n[7:])
+    )
+    stacked = {name: value for name, value in params.items() if not name.startswith("layers_")}
+    stacked["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[n] for n in names))
+    return stacked
 
 
 def sharded_forward(
-    config: Qwen3Config, mesh: Mesh
+    config: Qwen3Config, mesh: Mesh, scan_layers: bool = True
 ) -> Callable[[Params, KVCache, ModelInputs], tuple[jax.Array, KVCache]]:
     """`forward` under shard_map over `mesh`: (params, kv_cache, inputs) -> (logits, kv_cache).
 
     Params and cache come sharded as `param_shardings` and `kv_cache.kv_cache_specs` say, the
     inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`.
+    `scan_layers=False` takes the params with one tree per layer (`unstack_layers`).
 
     Raises:
         ValueError: the mesh's size does not divide the heads, kv heads, ffn or vocab.
@@ -148,7 +198,7 @@ def sharded_forward(
     return shard_map(
         step,
         mesh,
-        in_specs=(param_specs(config), kv_cache_specs(), PartitionSpec()),
+        in_specs=(param_specs(config, scan_layers), kv_cache_specs(), PartitionSpec()),
         out_specs=(PartitionSpec(), kv_cache_specs()),
     )
 
@@ -166,19 +216,22 @@ def dummy_inputs() -> ModelInputs:
     )
 
 
-def _boxed_init(config: Qwen3Config, key: jax.Array) -> Params:
+def _boxed_init(config: Qwen3Config, key: jax.Array, scan_layers: bool = True) -> Params:
     """Random params, each wrapped with its logical axes (`nn.LogicallyPartitioned`)."""
     kv_cache = allocate_kv_cache(config, num_blocks=1, block_size=8)
-    return Qwen3ForCausalLM(config).init(key, kv_cache, dummy_inputs())["params"]
+    model = Qwen3ForCausalLM(config, scan_layers=scan_layers)
+    return model.init(key, kv_cache, dummy_inputs())["params"]
 
 
 def _init(config: Qwen3Config, key: jax.Array) -> Params:
     return nn.meta.unbox(_boxed_init(config, key))
 
 
-def param_specs(config: Qwen3Config) -> Params:
-    """The param tree of mesh `PartitionSpec`s, from each weight's logical axes."""
-    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+def param_specs(config: Qwen3Config, scan_layers: bool = True) -> Params:
+    """The param tree of mesh `PartitionSpec`s, from each weight's logical axes (for the
+    stacked tree, or with `scan_layers=False` for one tree per layer)."""
+    init = functools.partial(_boxed_init, config, scan_layers=scan_layers)
+    boxed = jax.eval_shape(init, jax.random.key(0))
     return jax.tree.map(
         lambda spec: logical_to_spec(tuple(spec)),
         nn.get_partition_spec(boxed),

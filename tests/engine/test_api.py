@@ -118,6 +118,19 @@ def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
     )
 
 
+def test_save_round_trip_from_a_buffer_per_layer(
+    checkpoint, greedy_prompts, greedy_reference, tmp_path
+):
+    """An engine holding one weight buffer per layer (the GPU's) saves the stacked tree."""
+    LLM(checkpoint.path, scan_layers=False, **BASE_SETTINGS).save(tmp_path / "saved")
+
+    loaded = LLM(tmp_path / "saved", **BASE_SETTINGS)
+
+    assert "layers" in loaded.engine.runner.params
+    outputs = loaded.generate(greedy_prompts[:4], greedy_params(), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == greedy_reference[:4]
+
+
 def test_one_call_generate_reuses_its_engine(checkpoint, llm):
     settings = BASE_SETTINGS | {"max_num_seqs": 4}
     params = SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)

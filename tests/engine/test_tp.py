@@ -100,24 +100,38 @@ def check_greedy_tokens_and_shards(
     num_kv_heads: int,
     head_dim: int,
     attention_backend: str = "auto",
+    scan_layers: bool = True,
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
-    KV cache are split `tp` ways."""
+    KV cache are split `tp` ways (weights stacked over layers, or one tree per layer)."""
     from jaxllm import LLM
 
     path, reference = checkpoint
-    llm = LLM(str(path), tensor_parallel_size=tp, attention_backend=attention_backend, **SETTINGS)
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=tp,
+        attention_backend=attention_backend,
+        scan_layers=scan_layers,
+        **SETTINGS,
+    )
 
     assert generate(llm) == reference
     stats = llm.cache_stats()
     assert stats.num_hit_tokens >= 2 * 32  # the later shared-prefix prompts hit two blocks
     assert llm.engine.scheduler_config.max_num_batched_tokens == 32  # prompts were chunked
     params = llm.engine.runner.params
-    q_proj = params["layers"]["attn"]["q_proj"]
+    if scan_layers:
+        layers, stacked = params["layers"], (LAYERS,)
+    else:
+        assert {name for name in params if name.startswith("layers")} == {
+            f"layers_{i}" for i in range(LAYERS)
+        }
+        layers, stacked = params[f"layers_{LAYERS - 1}"], ()
+    q_proj = layers["attn"]["q_proj"]
     assert len(q_proj.addressable_shards) == tp
-    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, num_heads // tp, head_dim)
-    down_proj = params["layers"]["mlp"]["down_proj"]
-    assert down_proj.addressable_shards[0].data.shape == (LAYERS, (2 * HIDDEN + 32) // tp, HIDDEN)
+    assert q_proj.addressable_shards[0].data.shape == (*stacked, HIDDEN, num_heads // tp, head_dim)
+    down_proj = layers["mlp"]["down_proj"]
+    assert down_proj.addressable_shards[0].data.shape == (*stacked, (2 * HIDDEN + 32) // tp, HIDDEN)
     assert params["embed"].addressable_shards[0].data.shape == (VOCAB // tp, HIDDEN)
     assert params["lm_head"].addressable_shards[0].data.shape == (HIDDEN, VOCAB // tp)
     keys = llm.engine.runner.kv_cache.keys
@@ -128,6 +142,12 @@ def check_greedy_tokens_and_shards(
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
     check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_equal_transformers_with_a_buffer_per_layer(checkpoint, tp):
+    """The GPU's layer loop (`scan_layers=False`: one weight buffer per layer, no scan)."""
+    check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM, scan_layers=False)
 
 
 def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
