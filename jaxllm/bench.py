@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eviction-policy", default="lru", help="lru, fifo, lfu or mru")
     parser.add_argument("--block-size", type=int, default=None, help="kvcache_block_size")
     parser.add_argument(
+        "--layer-loop", action="store_true", help="one weight buffer per layer (scan_layers=False)"
+    )
+    parser.add_argument(
         "--compile-at-startup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         num_kvcache_blocks=args.num_kvcache_blocks,
         eviction_policy=args.eviction_policy,
         compile_at_startup=args.compile_at_startup,
+        scan_layers=not args.layer_loop,
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start

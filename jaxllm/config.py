@@ -32,11 +32,12 @@ class EngineConfig:
         seed: the seed of random weights and of requests that bring no seed of their own.
         prefill_tile: prefill tokens are laid out in tiles of this many tokens of one sequence;
             None: 128 on a GPU, 16 on a CPU.
-        attention_backend: "auto" (the fastest available), "reference" (portable jax.numpy),
+        attention_backend: "auto" (the fastest measured: "pallas" on a GPU, else "reference"),
+            "reference" (portable jax.numpy), "flash" (FlashAttention-3), "pallas",
             or a registered backend name.
         scan_layers: run the decoder layers as one `scan` over stacked weights (compile time
-            independent of depth), or as a loop over one buffer per layer (no per-step copies
-            of the weights on a GPU); None: a scan on a CPU, the loop on a GPU.
+            independent of depth); False: a loop over one weight buffer per layer, which avoids
+            XLA:GPU's per-step copies of the weights (see qwen3.py; not yet measured end to end).
         compile_at_startup: compile every bucket of the ladder before serving.
         compilation_cache_dir: JAX's persistent compilation cache; "" turns it off.
     """
@@ -55,7 +56,7 @@ class EngineConfig:
     seed: int = 0
     prefill_tile: int | None = None
     attention_backend: str = "auto"
-    scan_layers: bool | None = None
+    scan_layers: bool = True
     compile_at_startup: bool = True
     compilation_cache_dir: str = dataclasses.field(
         default_factory=lambda: os.environ.get(

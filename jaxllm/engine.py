@@ -157,8 +157,7 @@ class Engine:
         model_config, params = load_params(
             model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
         )
-        scan_layers = not is_gpu() if config.scan_layers is None else config.scan_layers
-        if not scan_layers:  # before sizing the cache: the stacked arrays are freed here
+        if not config.scan_layers:  # before sizing the cache: the stacked arrays are freed here
             params = unstack_layers(params)
         self.model_config = model_config.replace(attention_backend=self._attention_backend(config))
         is_random = model_path.startswith(RANDOM_PREFIX)

@@ -127,13 +127,13 @@ def main() -> None:
     parser.add_argument("--attention", default="pallas" if gpu else "reference")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
     parser.add_argument(
-        "--scan-layers", action="store_true", help="scan stacked weights (default: a loop on a GPU)"
+        "--layer-loop", action="store_true", help="one weight buffer per layer, no scan"
     )
     args = parser.parse_args()
 
     backend = args.attention
     config, params = load_params(args.model)
-    if gpu and not args.scan_layers:  # as the engine runs it (see qwen3.py)
+    if args.layer_loop:  # EngineConfig(scan_layers=False), see qwen3.py
         params = unstack_layers(params)
     config = config.replace(attention_backend=backend)
     block_size, width = 256, 16

@@ -1,7 +1,8 @@
 """FlashAttention-3 (Hopper) paged attention, from the optional `flash-attn3-jax` package.
 
-`pip install "jaxllm[hopper]"` brings it; without it (or off a GPU) the engine's "auto" backend
-falls back to the portable "reference" one. FA3 takes the step's tiles directly: queries as
+`pip install "jaxllm[hopper]"` brings it. The engine's "auto" backend on a GPU ("pallas") runs
+prefill chunks with it and decodes with jaxllm's own kernel; without FA3 prefill falls back to
+the portable "reference" backend. FA3 takes the step's tiles directly: queries as
 `[G, R, N, H]`, the cache as a block pool with `page_table=block_tables`, and
 `cache_seqlens=context_lens` with a bottom-right-aligned causal mask, which is exactly the
 layout of `ModelInputs` (real rows last in each tile). It reads the cache, never writes it: the

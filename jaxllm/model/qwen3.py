@@ -6,12 +6,13 @@ carries the paged KV cache, the final norm, and the LM head at the sampled rows 
 Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place.
 
 Layer loop. Inside the scan each layer's weights are a dynamic slice of the stacked arrays, and
-XLA:GPU copies every slice that feeds a matmul before using it: on an H200 that is 7 ms of a
-28 ms qwen3-8b decode step (all the layer weights read and written once more). So the GPU
-engine runs the model with one buffer per layer (`unstack_layers`: params "layers_0" ...
-"layers_{L-1}", each without the L axis) and a Python loop over them (`scan_layers=False`);
-compile time then grows with depth. The stacked tree stays the format of checkpoints and of
-`load_params`.
+XLA:GPU materialises every slice that feeds a matmul (a copy) before using it: on an H200 that
+is 7 ms of a 28 ms qwen3-8b decode step (all layer weights read and written once more; the
+optimised HLO shows the slices as fusions of their own). The model can instead run with one
+buffer per layer (`unstack_layers`: params "layers_0" ... "layers_{L-1}", each without the L
+axis) and a Python loop over them (`scan_layers=False`, `EngineConfig(scan_layers=False)`),
+where nothing is sliced; compile time then grows with depth. The stacked tree stays the format
+of checkpoints and of `load_params`.
 
 Tensor parallelism. `sharded_forward(config, mesh)` runs the same `forward` under `shard_map`
 over the mesh's "tp" axis. Inside, every array is one device's block: the module is built with
