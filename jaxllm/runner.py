@@ -12,6 +12,12 @@ runs under shard_map over it (`sharded_forward`) with params and KV cache sharde
 inputs go to every device, and the logits come back whole on every device, where the sampler
 runs replicated. With several processes (`jax.distributed`) every process runs the same steps
 and passes the same host arrays; each becomes one global, replicated array.
+
+A step's host arrays travel as two flat int32 arrays, one per executable (`pack`: the model's
+seven, the sampler's six, floats and uint32 seeds bit-cast), not as thirteen: each host array
+handed to an executable is a transfer of its own (to every device of the mesh), and on the GPU
+each costs the host tens of microseconds per step. The steps cut them apart (`unpack`) by the
+bucket's static sizes.
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
@@ -65,6 +73,64 @@ class CompilationCounter:
 COMPILATIONS = CompilationCounter()
 
 
+# (name, shape, dtype) of each array in a packed step input.
+Layout = tuple[tuple[str, tuple[int, ...], Any], ...]
+
+
+def model_layout(shape: BucketShape) -> Layout:
+    """The forward step's packed inputs: the six `ModelInputs` arrays, then `source_rows`."""
+    t, g, w, s = shape.num_tokens, shape.num_tiles, shape.width, shape.num_sampled
+    i32 = jnp.int32
+    return (
+        ("token_ids", (t,), i32),
+        ("positions", (t,), i32),
+        ("slot_mapping", (t,), i32),
+        ("block_tables", (g, w), i32),
+        ("context_lens", (g,), i32),
+        ("sample_indices", (s,), i32),
+        ("source_rows", (t,), i32),
+    )
+
+
+def sampling_layout(num_rows: int) -> Layout:
+    """The sampler's packed inputs: the `SamplingInputs` fields."""
+    return (
+        ("temperature", (num_rows,), jnp.float32),
+        ("top_k", (num_rows,), jnp.int32),
+        ("top_p", (num_rows,), jnp.float32),
+        ("min_p", (num_rows,), jnp.float32),
+        ("seeds", (num_rows,), jnp.uint32),
+        ("steps", (num_rows,), jnp.int32),
+    )
+
+
+def _packed_size(layout: Layout) -> int:
+    return sum(math.prod(shape) for _, shape, _ in layout)
+
+
+def pack(layout: Layout, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """`arrays` (in `layout`'s order, shapes and dtypes) as one flat int32 array."""
+    parts = []
+    for (name, shape, dtype), array in zip(layout, arrays, strict=True):
+        array = np.asarray(array)
+        want = np.dtype(dtype)
+        if array.shape != shape or array.dtype != want:
+            raise ValueError(f"{name}: {array.dtype}{list(array.shape)}, not {want}{list(shape)}")
+        parts.append(array.reshape(-1).view(np.int32))
+    return np.concatenate(parts)
+
+
+def unpack(layout: Layout, packed: jax.Array) -> dict[str, jax.Array]:
+    """The inverse of `pack`, traced: the arrays by name."""
+    arrays, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = math.prod(shape)
+        part = packed[offset : offset + size].reshape(shape)
+        arrays[name] = part if dtype == jnp.int32 else lax.bitcast_convert_type(part, dtype)
+        offset += size
+    return arrays
+
+
 def _model_inputs(shape: BucketShape, sharding: NamedSharding) -> ModelInputs:
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
     return ModelInputs(
@@ -77,32 +143,27 @@ def _model_inputs(shape: BucketShape, sharding: NamedSharding) -> ModelInputs:
     )
 
 
-def _sampling_inputs(num_rows: int, sharding: NamedSharding) -> SamplingInputs:
-    f32 = jax.ShapeDtypeStruct((num_rows,), jnp.float32, sharding=sharding)
-    i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=sharding)
-    return SamplingInputs(
-        temperature=f32,
-        top_k=i32,
-        top_p=f32,
-        min_p=f32,
-        seeds=jax.ShapeDtypeStruct((num_rows,), jnp.uint32, sharding=sharding),
-        steps=i32,
-    )
+def _packed(layout: Layout, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((_packed_size(layout),), jnp.int32, sharding=sharding)
 
 
-def _forward_step(forward_fn, params, kv_cache, inputs, previous_tokens, source_rows):
+def _forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, shape: BucketShape):
     """The model step, its placeholder token ids first replaced by the previous step's samples.
 
     The host schedules step N+1 before it has read step N's tokens (`Scheduler.commit`); rows
     whose input is such a token name its row in `previous_tokens` in `source_rows`.
     """
+    arrays = unpack(model_layout(shape), packed)
+    source_rows = arrays.pop("source_rows")
+    inputs = ModelInputs(**arrays)
     from_previous = previous_tokens[jnp.maximum(source_rows, 0)]  # [T]
     token_ids = jnp.where(source_rows >= 0, from_previous, inputs.token_ids)
     return forward_fn(params, kv_cache, inputs.replace(token_ids=token_ids))
 
 
-def _sample_step(logits, sampling, *, num_rows: int, mode: str):
+def _sample_step(logits, packed, *, num_rows: int, mode: str):
     """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
+    sampling = SamplingInputs(**unpack(sampling_layout(logits.shape[0]), packed))
     tokens = sample(logits, sampling, mode=mode)
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
 
@@ -185,6 +246,7 @@ class ModelRunner:
             functools.partial(
                 _forward_step, sharded_forward(config, self.mesh, is_stacked(params))
             ),
+            static_argnames="shape",
             donate_argnums=1,
         )
         self._sample = jax.jit(
@@ -235,7 +297,7 @@ class ModelRunner:
                 logits = jax.ShapeDtypeStruct(
                     (num_rows, self.config.vocab_size), logits_dtype, sharding=self._replicated
                 )
-                sampling = _sampling_inputs(num_rows, self._replicated)
+                sampling = _packed(sampling_layout(num_rows), self._replicated)
                 sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
             self._sample_executables |= _compile_all(sampler_programs, bar)
             previous = jax.ShapeDtypeStruct(
@@ -245,12 +307,9 @@ class ModelRunner:
             with partitioner_for(self.config, self.mesh):
                 forward_programs = {}
                 for shape in shapes:
-                    inputs = _model_inputs(shape, self._replicated)
-                    sources = jax.ShapeDtypeStruct(
-                        (shape.num_tokens,), jnp.int32, sharding=self._replicated
-                    )
+                    inputs = _packed(model_layout(shape), self._replicated)
                     forward_programs[shape] = self._forward.lower(
-                        self.params, cache, inputs, previous, sources
+                        self.params, cache, inputs, previous, shape=shape
                     )
                 self._forward_executables |= _compile_all(forward_programs, bar)
 
@@ -280,24 +339,25 @@ class ModelRunner:
         ):
             logger.warning("compiling bucket %s (sampler %s) while serving", shape, mode)
             self.compile([shape], use_tqdm=False, sampler_modes=[mode])
-        inputs = ModelInputs(**batch.model_inputs())
-        sampling = SamplingInputs(
-            temperature=batch.temperature,
-            top_k=batch.top_k,
-            top_p=batch.top_p,
-            min_p=batch.min_p,
-            seeds=batch.seeds,
-            steps=batch.sample_steps,
-        )
         if previous_tokens is None:
             previous_tokens = self._no_tokens
         if source_rows is None:
             source_rows = np.full(shape.num_tokens, -1, np.int32)
+        model_arrays = [*batch.model_inputs().values(), source_rows]
+        inputs = pack(model_layout(shape), model_arrays)
+        sampling_arrays = [
+            batch.temperature,
+            batch.top_k,
+            batch.top_p,
+            batch.min_p,
+            batch.seeds,
+            batch.sample_steps,
+        ]
+        sampling = pack(sampling_layout(shape.num_sampled), sampling_arrays)
         if jax.process_count() > 1:
             inputs, sampling = self._global(inputs), self._global(sampling)
-            source_rows = self._global(source_rows)
         logits, self.kv_cache = self._forward_executables[shape](
-            self.params, self.kv_cache, inputs, previous_tokens, source_rows
+            self.params, self.kv_cache, inputs, previous_tokens
         )
         return self._sample_executables[shape.num_sampled, mode](logits, sampling)
 
