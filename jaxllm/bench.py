@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "compilations_during_run": COMPILATIONS.count - compilations_before,
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_backend": llm.attention_backend,
+        "scan_layers": not args.layer_loop,
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,

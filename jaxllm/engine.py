@@ -17,8 +17,9 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
-from jaxllm.model import decode_attention  # noqa: F401 (registers the "pallas" backend)
+from jaxllm.model import decode_attention
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
+from jaxllm.model.config import Qwen3Config
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import unstack_layers
@@ -95,6 +96,13 @@ def is_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def is_cuda() -> bool:
+    """An NVIDIA GPU (jax calls ROCm GPUs "gpu" too; their platform version names ROCm)."""
+    if not is_gpu():
+        return False
+    return "rocm" not in getattr(jax.devices()[0].client, "platform_version", "").lower()
+
+
 def configure_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache in `directory` ("" leaves it off)."""
     if not directory or jax.config.jax_compilation_cache_dir:
@@ -159,7 +167,8 @@ class Engine:
         )
         if not config.scan_layers:  # before sizing the cache: the stacked arrays are freed here
             params = unstack_layers(params)
-        self.model_config = model_config.replace(attention_backend=self._attention_backend(config))
+        backend = self._attention_backend(config, model_config)
+        self.model_config = model_config.replace(attention_backend=backend)
         is_random = model_path.startswith(RANDOM_PREFIX)
         self.tokenizer = load_tokenizer(None if is_random else model_path)
         # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
@@ -222,13 +231,19 @@ class Engine:
         self._compiled_lazily: set[tuple[BucketShape, str]] = set()  # (bucket, sampler mode)
 
     @staticmethod
-    def _attention_backend(config: EngineConfig) -> str:
-        """The backend "auto" stands for: on a GPU, jaxllm's Pallas decode kernel (prefill on
-        FlashAttention-3 where installed), measured fastest end to end on the H200
-        (docs/performance.md); elsewhere the portable one."""
+    def _attention_backend(config: EngineConfig, model: Qwen3Config) -> str:
+        """The backend "auto" stands for: on an NVIDIA GPU, jaxllm's Pallas decode kernel
+        (prefill on FlashAttention-3 where installed), measured fastest end to end on the H200
+        (docs/performance.md), if it has a tile for this cache layout; else FA3 where it runs;
+        else the portable one."""
         if config.attention_backend != "auto":
             return config.attention_backend
-        return "pallas" if is_gpu() else "reference"
+        if not is_cuda():
+            return "reference"
+        kv_heads = model.num_kv_heads // config.tensor_parallel_size
+        if decode_attention.tile_rows(config.kvcache_block_size, kv_heads) is not None:
+            return "pallas"
+        return "flash" if flash_available() else "reference"
 
     def _fit_num_blocks(self, params, block_size: int, ladder: BucketLadder) -> int:
         """KV blocks that fit in `memory_fraction` of the device beside the params and the

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -108,11 +108,13 @@ def _packed_size(layout: Layout) -> int:
     return sum(math.prod(shape) for _, shape, _ in layout)
 
 
-def pack(layout: Layout, arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """`arrays` (in `layout`'s order, shapes and dtypes) as one flat int32 array."""
+def pack(layout: Layout, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`arrays` by name (each of `layout`'s shape and dtype) as one flat int32 array."""
+    if set(arrays) != {name for name, _, _ in layout}:
+        raise ValueError(f"arrays {sorted(arrays)} are not the layout's")
     parts = []
-    for (name, shape, dtype), array in zip(layout, arrays, strict=True):
-        array = np.asarray(array)
+    for name, shape, dtype in layout:
+        array = np.asarray(arrays[name])
         want = np.dtype(dtype)
         if array.shape != shape or array.dtype != want:
             raise ValueError(f"{name}: {array.dtype}{list(array.shape)}, not {want}{list(shape)}")
@@ -343,16 +345,15 @@ class ModelRunner:
             previous_tokens = self._no_tokens
         if source_rows is None:
             source_rows = np.full(shape.num_tokens, -1, np.int32)
-        model_arrays = [*batch.model_inputs().values(), source_rows]
-        inputs = pack(model_layout(shape), model_arrays)
-        sampling_arrays = [
-            batch.temperature,
-            batch.top_k,
-            batch.top_p,
-            batch.min_p,
-            batch.seeds,
-            batch.sample_steps,
-        ]
+        inputs = pack(model_layout(shape), batch.model_inputs() | {"source_rows": source_rows})
+        sampling_arrays = {
+            "temperature": batch.temperature,
+            "top_k": batch.top_k,
+            "top_p": batch.top_p,
+            "min_p": batch.min_p,
+            "seeds": batch.seeds,
+            "steps": batch.sample_steps,
+        }
         sampling = pack(sampling_layout(shape.num_sampled), sampling_arrays)
         if jax.process_count() > 1:
             inputs, sampling = self._global(inputs), self._global(sampling)

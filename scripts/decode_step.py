@@ -8,8 +8,8 @@ and prints a table. The engine's wall time per decode step comes from `bench.py`
 
 `--profile` also traces a few steps (model then sampler) with JAX's profiler and sums the
 device's kernel time per step by kind: attention kernel, matmuls, sampler, the rest (norms,
-RoPE, cache writes, merging splits). XLA does not use CUDA graphs while profiling, so the trace
-gives kernel times, not launch gaps; the gap is the timed step less the kernels' sum.
+RoPE, cache writes, merging splits). The trace gives the kernels' own times (it lists them inside
+XLA's command buffers); the gap is the timed step less the kernels' sum.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def timed(fn, *args, repeats: int = 20) -> float:
 # Kinds of device work, matched in order against "kernel name | hlo op | hlo module".
 KINDS = (
     ("sampler", re.compile(r"jit_sample")),
-    ("attention kernel", re.compile(r"decode_kernel|flash|fmha|mha_", re.IGNORECASE)),
-    ("matmuls", re.compile(r"gemm|cublas|cutlass|xmma|\bdot", re.IGNORECASE)),
+    ("attention kernel", re.compile(r"paged_decode|flash|fmha|mha_", re.IGNORECASE)),
+    ("matmuls", re.compile(r"gemm|nvjet|cublas|cutlass|xmma|\bdot", re.IGNORECASE)),
     ("copies", re.compile(r"memcpy|memset", re.IGNORECASE)),
 )
 
@@ -64,7 +64,6 @@ def kernel_seconds(trace_dir: str) -> dict[tuple[str, str, str], float]:
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        print(f"{plane.name}: lines {[line.name for line in plane.lines]}")
         for line in plane.lines:
             if "Stream" not in line.name:  # derived lines (XLA Modules, XLA Ops) repeat them
                 continue
@@ -101,6 +100,9 @@ def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
 
 
 def decode_inputs(batch: int, context: int, block_size: int, width: int, num_blocks: int):
+    """A decode step of `batch` sequences of `context` tokens whose blocks are taken in turn from
+    `num_blocks` (shared between sequences when there are too few). Each sequence writes its new
+    token to a slot of its own, as the model's scatter requires (`kv_cache.write_kv`)."""
     blocks_per_seq = -(-context // block_size)
     tables = np.zeros((batch, width), np.int32)
     for row in range(batch):
@@ -108,6 +110,8 @@ def decode_inputs(batch: int, context: int, block_size: int, width: int, num_blo
         tables[row, :blocks_per_seq] = (first + np.arange(blocks_per_seq)) % num_blocks
     positions = np.full(batch, context - 1, np.int32)
     slots = tables[np.arange(batch), positions // block_size] * block_size + positions % block_size
+    if len(set(slots.tolist())) < batch:  # shared blocks: write elsewhere, one slot each
+        slots = np.arange(batch)
     return ModelInputs(
         token_ids=jnp.asarray(np.arange(batch, dtype=np.int32)),
         positions=jnp.asarray(positions),
@@ -153,24 +157,26 @@ def main() -> None:
     stats = jax.devices()[0].memory_stats() or {}
     free = int(stats.get("bytes_limit", 0) * 0.85) - stats.get("bytes_in_use", 0)
     full_blocks = max(64, free // kv_cache_bytes_per_block(config, block_size))
+
+    def run(inputs):
+        logits, holder["cache"] = step(params, config, holder["cache"], inputs)
+        return logits
+
+    # Every sequence reads the same 64 blocks: the same work on either cache.
     shared = decode_inputs(args.batch, args.context, block_size, width, 64)
     for num_blocks in (64, full_blocks):
         holder = {"cache": allocate_kv_cache(config, num_blocks, block_size)}
-
-        def run(inputs, holder=holder):
-            logits, holder["cache"] = step(params, config, holder["cache"], inputs)
-            return logits
-
-        # Every sequence reads the same 64 blocks: the same work on either cache.
         rows.append((f"decode step, {num_blocks} KV blocks", timed(run, shared)))
     # Each sequence its own blocks, as in serving (the 64 shared ones partly sit in L2).
+    if args.batch * -(-args.context // block_size) > full_blocks:
+        raise SystemExit(f"{args.batch} x {args.context} tokens do not fit {full_blocks} blocks")
     distinct = decode_inputs(args.batch, args.context, block_size, width, full_blocks)
     rows.append(("decode step, distinct blocks", timed(run, distinct)))
     rows.append(("sampler (temperature 0.6)", timed(sampler, logits, sampling)))
     if args.profile:
         step_seconds = rows[-2][1] + rows[-1][1]
         profile(lambda: run(distinct), lambda: sampler(logits, sampling), 5, step_seconds)
-    del holder
+    holder.clear()  # frees the full-memory cache
 
     cache = allocate_kv_cache(config, 64, block_size)
     key_pool, value_pool = cache.layer_views()

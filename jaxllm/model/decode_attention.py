@@ -97,6 +97,16 @@ def _decode_kernel(
     total_ref[...] = total
 
 
+def tile_rows(block_size: int, num_kv_heads: int, rows: int = ROWS) -> int | None:
+    """The kernel's tile (cache rows) for this cache layout, or None if it has none: the tile
+    stays inside one block and must be a power of two >= 16 that the kv heads (per device)
+    divide, into a number of tokens that divides the block size."""
+    rows = min(rows, block_size * num_kv_heads)
+    if rows < 16 or rows & (rows - 1) or rows % num_kv_heads or block_size % (rows // num_kv_heads):
+        return None
+    return rows
+
+
 def num_splits_for(
     num_sequences: int, table_width: int, block_size: int, num_kv_heads: int, rows: int = ROWS
 ) -> int:
@@ -139,13 +149,14 @@ def paged_decode_attention(
     num_sequences, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_pool.shape
     width = block_tables.shape[1]
-    rows = min(rows, block_size * num_kv_heads)  # a tile stays inside one block
-    if rows < 16 or rows & (rows - 1) or rows % num_kv_heads or block_size % (rows // num_kv_heads):
+    tile = tile_rows(block_size, num_kv_heads, rows)
+    if tile is None:
         raise ValueError(
-            f"the decode kernel's tile of {rows} cache rows (at most block_size x kv heads = "
-            f"{block_size} x {num_kv_heads}) must be a power of two >= 16 that the kv heads per "
-            f"device divide, into a number of tokens that divides the block size"
+            f"the decode kernel has no tile for blocks of {block_size} tokens x {num_kv_heads} "
+            f"kv heads per device (a power of two >= 16 cache rows that the kv heads divide, "
+            f"into a number of tokens that divides the block size)"
         )
+    rows = tile
     splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
     padded_heads = max(16, pl.next_power_of_2(num_heads))
     q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))

@@ -115,7 +115,9 @@ def write_kv(
         kv_cache: the cache, updated in place under jit when donated.
         layer: the layer index (a traced scalar inside the layer scan).
         k, v: [T, K, H] the new tokens' keys and values.
-        slot_mapping: [T] flat slots; negative slots (padding) write nowhere.
+        slot_mapping: [T] flat slots; negative slots (padding) write nowhere. The others must
+            be distinct (the scheduler writes a sequence's new tokens only into blocks it owns
+            alone; `tests/sched` checks every descriptor): the scatter assumes it.
 
     Returns:
         The updated cache.

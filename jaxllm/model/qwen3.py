@@ -54,6 +54,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model.config import Qwen3Config
@@ -153,17 +154,34 @@ def is_stacked(params: Params) -> bool:
 def unstack_layers(params: Params) -> Params:
     """The param tree with one buffer per layer ("layers_{i}", see the module docstring).
 
-    Made by slicing on the device(s); each slice keeps its sharding. The stacked arrays are
-    freed when the caller drops them.
+    Moves the layer weights out of `params` (its "layers" entry is removed): each stacked array
+    is dropped as soon as it is sliced, so this needs one array's worth of memory more, not the
+    model's. Each slice keeps its array's sharding without the L axis.
     """
     if not is_stacked(params):
         return params
-    layers = params["layers"]
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    unstacked = {name: value for name, value in params.items() if name != "layers"}
+    leaves, treedef = jax.tree.flatten(params.pop("layers"))
+    num_layers = leaves[0].shape[0]
+    slices = []  # per leaf, per layer
+    for j in range(len(leaves)):
+        stacked, leaves[j] = leaves[j], None
+        sharding = stacked.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        take = _take_layer(sharding)
+        slices.append([take(stacked, i) for i in range(num_layers)])
+        del stacked
+    unstacked = dict(params)
     for i in range(num_layers):
-        unstacked[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
+        unstacked[f"layers_{i}"] = treedef.unflatten([per_layer[i] for per_layer in slices])
     return unstacked
+
+
+@functools.cache
+def _take_layer(sharding) -> Callable[[jax.Array, int], jax.Array]:
+    """`stacked[i]` laid out as `sharding` (one compile per weight shape, not per layer)."""
+    take = functools.partial(lax.dynamic_index_in_dim, axis=0, keepdims=False)
+    return jax.jit(take, out_shardings=sharding)
 
 
 def stack_layers(params: Params) -> Params:
@@ -185,7 +203,8 @@ def sharded_forward(
 
     Params and cache come sharded as `param_shardings` and `kv_cache.kv_cache_specs` say, the
     inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`.
-    `scan_layers=False` takes the params with one tree per layer (`unstack_layers`).
+    `scan_layers=False` takes the params with one tree per layer (`unstack_layers`), sharded as
+    `param_specs(config, scan_layers=False)` says.
 
     Raises:
         ValueError: the mesh's size does not divide the heads, kv heads, ffn or vocab.

@@ -52,6 +52,20 @@ def test_write_lands_at_layer_block_offset_and_padding_writes_nowhere():
     np.testing.assert_array_equal(np.asarray(cache.values), -expected_keys)
 
 
+def test_many_padding_rows_write_nowhere():
+    """More padding rows than a block has slots: each is sent past the end on its own."""
+    cache = allocate_kv_cache(CONFIG, num_blocks=2, block_size=8)
+    k = jnp.arange(1, 41, dtype=jnp.float32)[:, None, None] * jnp.ones((40, 1, 16))
+    slots = jnp.full((40,), -1, jnp.int32).at[7].set(9).at[31].set(0)
+
+    cache = jax.jit(write_kv)(cache, 0, k, -k, slots)
+
+    expected_keys = np.zeros(cache.keys.shape, np.float32)
+    expected_keys[0, 1, 1], expected_keys[0, 0, 0] = 8.0, 32.0
+    np.testing.assert_array_equal(np.asarray(cache.keys), expected_keys)
+    np.testing.assert_array_equal(np.asarray(cache.values), -expected_keys)
+
+
 def test_jitted_forward_updates_the_donated_cache_in_place():
     params = init_params(CONFIG, seed=0)
     cache = allocate_kv_cache(CONFIG, num_blocks=256, block_size=16)

@@ -10,12 +10,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import NamedSharding
 
 from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.loader import load_hf_checkpoint
-from jaxllm.model.qwen3 import forward, init_params, sharded_forward
+from jaxllm.model.qwen3 import (
+    forward,
+    init_params,
+    param_specs,
+    sharded_forward,
+    stack_layers,
+    unstack_layers,
+)
 from jaxllm.model.sharding import (
     check_tensor_parallel,
     gspmd_partitioner,
@@ -109,6 +117,25 @@ def test_random_init_and_orbax_are_sharded_and_mesh_independent(tmp_path):
     down_proj = restored["layers"]["mlp"]["down_proj"]
     assert down_proj.addressable_shards[0].data.shape == (LAYERS, 288 // 4, HIDDEN)
     jax.tree.map(np.testing.assert_array_equal, restored, unsharded)
+
+
+def test_unstacked_layers_are_the_stacked_slices_sharded_as_their_specs():
+    config = tiny_config(dtype="float32")
+    mesh = make_mesh(2)
+    stacked = init_params(config, seed=5, mesh=mesh)
+    kept = jax.tree.map(np.asarray, stacked)
+
+    unstacked = unstack_layers(stacked)
+
+    assert "layers" not in stacked  # moved out, so each stacked array is freed once sliced
+    specs = param_specs(config, scan_layers=False)
+    assert jax.tree.structure(unstacked) == jax.tree.structure(specs)
+    for array, spec in zip(jax.tree.leaves(unstacked), jax.tree.leaves(specs), strict=True):
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
+    for i in range(LAYERS):
+        layer = jax.tree.map(lambda x, i=i: x[i], kept["layers"])
+        jax.tree.map(np.testing.assert_array_equal, unstacked[f"layers_{i}"], layer)
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(unstacked), kept)
 
 
 @pytest.mark.parametrize("tp", [1, 4])

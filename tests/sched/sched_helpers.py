@@ -184,5 +184,8 @@ def assert_descriptor_contract(desc: BatchDescriptor, config: SchedulerConfig) -
     for r in range(num_tokens):
         if r not in real_rows:
             assert desc.slot_mapping[r] == -1 and desc.token_ids[r] == 0
+    # The model writes the step's K/V with a scatter that assumes distinct slots.
+    slots = desc.slot_mapping[desc.slot_mapping >= 0]
+    assert len(set(slots.tolist())) == len(slots)
     assert not desc.context_lens[row // tile :].any()
     assert not desc.sample_indices[desc.num_seqs :].any()
