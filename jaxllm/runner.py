@@ -134,14 +134,13 @@ def unpack(layout: Layout, packed: jax.Array) -> dict[str, jax.Array]:
 
 
 def _model_inputs(shape: BucketShape, sharding: NamedSharding) -> ModelInputs:
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=sharding)
+    """The `ModelInputs` of a bucket, unpacked, as shapes."""
     return ModelInputs(
-        token_ids=i32((shape.num_tokens,)),
-        positions=i32((shape.num_tokens,)),
-        slot_mapping=i32((shape.num_tokens,)),
-        block_tables=i32((shape.num_tiles, shape.width)),
-        context_lens=i32((shape.num_tiles,)),
-        sample_indices=i32((shape.num_sampled,)),
+        **{
+            name: jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+            for name, dims, dtype in model_layout(shape)
+            if name != "source_rows"
+        }
     )
 
 
