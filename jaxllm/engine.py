@@ -186,7 +186,7 @@ class Engine:
             model_config, params = load_params(
                 model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
             )
-            self.scan_layers = not is_gpu() if config.scan_layers is None else config.scan_layers
+            self.scan_layers = self._scan_layers(config)
             if not self.scan_layers:  # before sizing the cache: the stacked arrays are freed here
                 params = unstack_layers(params)
         backend = self._attention_backend(config, model_config)
@@ -255,6 +255,13 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._last_wait_seconds = 0.0  # of the last `_apply_in_flight`
         self._compiled_lazily: set[tuple[BucketShape, str]] = set()  # (bucket, sampler mode)
+
+    @staticmethod
+    def _scan_layers(config: EngineConfig) -> bool:
+        """Whether the layers run as a scan over stacked weights: `config.scan_layers`, or if
+        None the scan on a CPU (faster to compile) and the layer loop on a GPU (faster steps:
+        XLA:GPU copies each layer's weights out of the stacked arrays, docs/performance.md)."""
+        return not is_gpu() if config.scan_layers is None else config.scan_layers
 
     @staticmethod
     def _attention_backend(config: EngineConfig, model: Qwen3Config) -> str:

@@ -104,6 +104,17 @@ def test_bench_record_on_the_cpu(tmp_path, capsys):
     # The parts of a decode step's wall time are within it.
     parts = record["decode_dispatch_ms_per_step"] + record["decode_wait_ms_per_step"]
     assert 0 < parts <= record["decode_ms_per_step"]
+    # So are the start-up's phases (no compile phase: --no-compile-at-startup).
+    phases = record["startup_phases_s"]
+    assert set(phases) == {
+        "load weights",
+        "load the tokenizer",
+        "size the KV cache",
+        "allocate the KV cache",
+    }
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= record["startup_s"]
+    assert record["scan_layers"] is True  # the CPU's default
 
 
 @pytest.mark.parametrize("flag", ["--max-input-len", "--max-output-len"])

@@ -1,4 +1,5 @@
-"""What attention_backend="auto" picks (`Engine._attention_backend`), without a GPU."""
+"""What the engine picks for "auto" settings (`Engine._attention_backend`, `_scan_layers`),
+without a GPU."""
 
 from __future__ import annotations
 
@@ -43,3 +44,17 @@ def test_an_explicit_backend_is_kept(monkeypatch):
     monkeypatch.setattr(engine, "is_cuda", lambda: False)
     config = EngineConfig(attention_backend="pallas")
     assert engine.Engine._attention_backend(config, QWEN3_8B) == "pallas"
+
+
+@pytest.mark.parametrize(
+    ("gpu", "setting", "expected"),
+    [
+        (False, None, True),  # the scan compiles faster; the CPU has no weight copies to avoid
+        (True, None, False),  # the layer loop: no per-step copies of the layer weights
+        (True, True, True),
+        (False, False, False),
+    ],
+)
+def test_layers_scan_on_the_cpu_and_loop_on_a_gpu_unless_set(monkeypatch, gpu, setting, expected):
+    monkeypatch.setattr(engine, "is_gpu", lambda: gpu)
+    assert engine.Engine._scan_layers(EngineConfig(scan_layers=setting)) is expected

@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, write_kv
-from jaxllm.model.qwen3 import forward, init_params
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params, unstack_layers
 
 from .helpers import Chunk, build_inputs
 
@@ -66,11 +66,14 @@ def test_many_padding_rows_write_nowhere():
     np.testing.assert_array_equal(np.asarray(cache.values), -expected_keys)
 
 
-def test_jitted_forward_updates_the_donated_cache_in_place():
+@pytest.mark.parametrize("layers", ["scan", "loop"])
+def test_jitted_forward_updates_the_donated_cache_in_place(layers):
     params = init_params(CONFIG, seed=0)
+    if layers == "loop":
+        params = unstack_layers(params)
     cache = allocate_kv_cache(CONFIG, num_blocks=256, block_size=16)
     inputs = build_inputs([Chunk([1, 2, 3, 4, 5], 0, [7])], 16, tile_size=4, table_width=2)
-    step = jax.jit(forward, static_argnums=1, donate_argnums=2)
+    step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
     pointers = [array.unsafe_buffer_pointer() for array in (cache.keys, cache.values)]
     compiled = step.lower(params, CONFIG, cache, inputs).compile()
 
