@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -152,19 +153,14 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-class _Phases:
-    """`with phases("name"):` adds the block's seconds to `seconds["name"]` and logs them."""
-
-    def __init__(self, seconds: dict[str, float]) -> None:
-        self.seconds = seconds
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        elapsed = time.perf_counter() - start
-        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
-        logger.info("%s: %.1f s", name, elapsed)
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to `seconds[name]` and logs it."""
+    start = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - start
+    seconds[name] = seconds.get(name, 0.0) + elapsed
+    logger.info("%s: %.1f s", name, elapsed)
 
 
 class Engine:
@@ -178,7 +174,7 @@ class Engine:
         self.config = config
         # Seconds of each start-up phase, logged at INFO and kept for bench.py's record.
         self.startup_seconds: dict[str, float] = {}
-        phase = _Phases(self.startup_seconds)
+        phase = functools.partial(_timed, self.startup_seconds)
         model_path = resolve_model(config.model)
         # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
         self.mesh = make_mesh(config.tensor_parallel_size)
@@ -248,7 +244,6 @@ class Engine:
         if config.compile_at_startup:
             with phase("compile"):
                 self.runner.compile(self.batch_builder.ladder.all_shapes())
-        self.compile_seconds = self.startup_seconds.get("compile", 0.0)
         self.compilations_at_startup = COMPILATIONS.count
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}

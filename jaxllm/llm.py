@@ -87,7 +87,19 @@ class LLM:
 
     @property
     def compile_seconds(self) -> float:
-        return self.engine.compile_seconds
+        """Seconds spent compiling (or loading) the ladder's executables at start-up."""
+        return self.engine.startup_seconds.get("compile", 0.0)
+
+    @property
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds of each start-up phase: loading weights, the tokenizer, sizing and
+        allocating the KV cache, compiling."""
+        return dict(self.engine.startup_seconds)
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the layers run as a scan over stacked weights (else a loop, per layer)."""
+        return self.engine.scan_layers
 
     @property
     def attention_backend(self) -> str:

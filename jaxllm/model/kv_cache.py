@@ -113,7 +113,7 @@ def write_kv(
 
     Args:
         kv_cache: the cache, updated in place under jit when donated.
-        layer: the layer index (a traced scalar inside the layer scan).
+        layer: the layer index (a traced scalar in the layer scan and loop).
         k, v: [T, K, H] the new tokens' keys and values.
         slot_mapping: [T] flat slots; negative slots (padding) write nowhere. The others must
             be distinct (the scheduler writes a sequence's new tokens only into blocks it owns

@@ -156,10 +156,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block; the body of the layer scan.
+    """One pre-norm transformer block: the body of the layer scan, or of the layer loop.
 
-    The carry is `(x [T, D], kv_cache)`: the whole cache goes through the
-    scan and each layer writes its slice at `layer`, so XLA updates the donated buffer in place.
+    The carry is `(x [T, D], kv_cache)`: the whole cache goes through every layer and each
+    writes its slice at `layer`, so XLA updates the donated buffer in place.
     """
 
     config: Qwen3Config

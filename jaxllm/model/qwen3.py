@@ -1,10 +1,10 @@
 """The Qwen3 causal LM as a Flax linen module, its pure forward function and random init.
 
 `forward(params, config, kv_cache, inputs) -> (logits, kv_cache)` is the whole device step:
-embed, a `nn.scan` over the stacked decoder layers (compile time independent of depth) that
-carries the paged KV cache, the final norm, and the LM head at the sampled rows only.
-Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place, and with
-`compiler_options=COMPILER_OPTIONS`.
+embed, the decoder layers carrying the paged KV cache (a `nn.scan` over stacked weights, or a
+loop over one buffer per layer: below), the final norm, and the LM head at the sampled rows
+only. Jit it with `static_argnums=1, donate_argnums=2` so the cache is updated in place, and
+with `compiler_options=COMPILER_OPTIONS` as the engine does.
 
 Layer loop. Inside the scan each layer's weights are a dynamic slice of the stacked arrays, and
 XLA:GPU materialises every slice that feeds a matmul (a copy) before using it: on an H200 that
@@ -85,6 +85,8 @@ class Qwen3ForCausalLM(nn.Module):
         config: the model (global shapes).
         tp_size: devices of the "tp" mesh axis; above 1 the module runs inside shard_map on one
             device's blocks (see the module docstring).
+        scan_layers: a scan over stacked layer params ("layers"), or a loop over one param
+            tree per layer ("layers_{i}"); see the module docstring.
     """
 
     config: Qwen3Config
@@ -120,7 +122,7 @@ class Qwen3ForCausalLM(nn.Module):
             apply_layer = _layer_function(c, tp)
             for i in range(c.num_layers):
                 layer_params = self.variables["params"][f"layers_{i}"]
-                x, kv_cache = apply_layer(layer_params, x, kv_cache, jnp.int32(i), cos, sin, inputs)
+                x, kv_cache = apply_layer(layer_params, x, kv_cache, np.int32(i), cos, sin, inputs)
 
         x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[inputs.sample_indices])  # [S, D]
         if c.tie_word_embeddings:
@@ -149,12 +151,13 @@ def _layer_function(config: Qwen3Config, tp_size: int) -> Callable[..., tuple[ja
     return jax.jit(apply_layer)
 
 
-# NOTE: with the layers unrolled (`scan_layers=False`), XLA:GPU's rematerialization pass counts
-# the donated cache twice, as the entry parameter and as the in-place-updated result, believes
-# a full-memory step needs 2x the cache, and recomputes matmuls to save memory the step never
-# uses (buffer assignment does update the cache in place). The cache is sized from free memory
-# after measuring the step's own scratch (`runner.step_scratch_bytes`), so the pass has nothing
-# to do here.
+# NOTE: XLA's rematerialization pass is off for every model step. It can only recompute the
+# step's activations (a few hundred MB at most), never the donated cache, which fills the rest
+# of the memory. With the layers unrolled (`scan_layers=False`) it counted that cache twice, as
+# the entry parameter and as the in-place-updated result, so it believed a full-memory step
+# needed 2x the cache and recomputed matmuls on every step (buffer assignment does update the
+# cache in place). The engine sizes the cache after measuring the step's own scratch
+# (`runner.step_scratch_bytes`).
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
@@ -237,7 +240,8 @@ def sharded_forward(
     """`forward` under shard_map over `mesh`: (params, kv_cache, inputs) -> (logits, kv_cache).
 
     Params and cache come sharded as `param_shardings` and `kv_cache.kv_cache_specs` say, the
-    inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`.
+    inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`
+    and `compiler_options=COMPILER_OPTIONS`, as the engine's runner does.
     `scan_layers=False` takes the params with one tree per layer (`unstack_layers`), sharded as
     `param_specs(config, scan_layers=False)` says.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -162,3 +164,27 @@ def test_one_call_generate_with_the_embedded_default():
         assert len(output.token_ids) == 2
     finally:
         jaxllm.llm._shared.clear()
+
+
+def test_startup_phases_account_for_the_compile(checkpoint):
+    settings = BASE_SETTINGS | {
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 32,
+        "compile_at_startup": True,
+    }
+    start = time.perf_counter()
+    llm = LLM(checkpoint.path, **settings)
+    elapsed = time.perf_counter() - start
+
+    phases = llm.startup_seconds
+    assert list(phases) == [
+        "load weights",
+        "load the tokenizer",
+        "size the KV cache",
+        "allocate the KV cache",
+        "compile",
+    ]
+    assert llm.compile_seconds == phases["compile"] > 0
+    assert sum(phases.values()) <= elapsed
+    assert llm.num_executables > 0 and llm.num_compilations_since_startup == 0
+    assert llm.scan_layers is True  # the CPU's default
