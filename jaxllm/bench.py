@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         "loop on a GPU, else scan)",
     )
     parser.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="q/k/v and gate/up each as one weight per layer (EngineConfig.fuse_projections)",
+    )
+    parser.add_argument(
         "--compile-at-startup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         eviction_policy=args.eviction_policy,
         compile_at_startup=args.compile_at_startup,
         scan_layers=None if args.layers is None else args.layers == "scan",
+        fuse_projections=args.fuse_projections,
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_backend": llm.attention_backend,
         "scan_layers": llm.scan_layers,
+        "fused_projections": args.fuse_projections,
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,

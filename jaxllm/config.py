@@ -40,6 +40,9 @@ class EngineConfig:
             avoids XLA:GPU's per-step copies of the weights (qwen3.py; 18% faster decode steps
             on an H200, docs/performance.md) and compiles ~2-4x slower; None: the loop on a
             GPU, else the scan.
+        fuse_projections: hold q/k/v and gate/up each as one weight per layer, one matmul each
+            without XLA's per-step weight concatenation (qwen3.fuse_projections); not yet
+            measured on a GPU, so off by default.
         compile_at_startup: compile every bucket of the ladder before serving.
         compilation_cache_dir: JAX's persistent compilation cache; "" turns it off.
     """
@@ -59,6 +62,7 @@ class EngineConfig:
     prefill_tile: int | None = None
     attention_backend: str = "auto"
     scan_layers: bool | None = None
+    fuse_projections: bool = False
     compile_at_startup: bool = True
     compilation_cache_dir: str = dataclasses.field(
         default_factory=lambda: os.environ.get(

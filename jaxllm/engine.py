@@ -25,7 +25,7 @@ from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import unstack_layers
+from jaxllm.model.qwen3 import fuse_projections, unstack_layers
 from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner, step_scratch_bytes
@@ -185,6 +185,8 @@ class Engine:
             self.scan_layers = self._scan_layers(config)
             if not self.scan_layers:  # before sizing the cache: the stacked arrays are freed here
                 params = unstack_layers(params)
+            if config.fuse_projections:
+                params = fuse_projections(params)
         backend = self._attention_backend(config, model_config)
         self.model_config = model_config.replace(attention_backend=backend)
         is_random = model_path.startswith(RANDOM_PREFIX)

@@ -40,7 +40,7 @@ class LLM:
             kvcache_block_size=256, num_kvcache_blocks=None, memory_fraction=0.9 (alias
             gpu_memory_utilization), dtype=None, enable_prefix_caching=True,
             eviction_policy="lru", seed=0, prefill_tile, attention_backend, scan_layers,
-            compile_at_startup, compilation_cache_dir; see `EngineConfig`.
+            fuse_projections, compile_at_startup, compilation_cache_dir; see `EngineConfig`.
 
     Raises:
         TypeError: an unknown argument.
@@ -121,9 +121,10 @@ class LLM:
         with the eos ids this engine stops at.
         """
         from jaxllm.model.checkpoint import save_params
-        from jaxllm.model.qwen3 import stack_layers
+        from jaxllm.model.qwen3 import stack_layers, unfuse_projections
 
-        save_params(path, self.engine.model_config, stack_layers(self.engine.runner.params))
+        params = stack_layers(unfuse_projections(self.engine.runner.params))
+        save_params(path, self.engine.model_config, params)
         self.tokenizer.save_pretrained(path)
         eos = list(self.engine.scheduler_config.eos_token_ids)
         (Path(path) / "generation_config.json").write_text(

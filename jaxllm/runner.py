@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, is_stacked, sharded_forward
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, is_fused, is_stacked, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, SamplingInputs, sample, sampler_mode
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
@@ -198,7 +198,7 @@ def step_scratch_bytes(
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
     forward = jax.jit(
-        sharded_forward(config, mesh, is_stacked(params)),
+        sharded_forward(config, mesh, is_stacked(params), is_fused(params)),
         donate_argnums=1,
         compiler_options=COMPILER_OPTIONS,
     )
@@ -249,7 +249,8 @@ class ModelRunner:
         self.max_sampled_rows = max_sampled_rows
         self._forward = jax.jit(
             functools.partial(
-                _forward_step, sharded_forward(config, self.mesh, is_stacked(params))
+                _forward_step,
+                sharded_forward(config, self.mesh, is_stacked(params), is_fused(params)),
             ),
             static_argnames="shape",
             donate_argnums=1,

@@ -31,7 +31,14 @@ from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, is_stacked, unstack_layers
+from jaxllm.model.qwen3 import (
+    COMPILER_OPTIONS,
+    forward,
+    fuse_projections,
+    is_fused,
+    is_stacked,
+    unstack_layers,
+)
 from jaxllm.model.sampler import SamplingInputs, sample
 
 
@@ -137,12 +144,17 @@ def main() -> None:
         help="scan over stacked layer weights, or loop over one buffer per layer (EngineConfig's "
         "scan_layers; default as the engine's)",
     )
+    parser.add_argument(
+        "--fuse-projections", action="store_true", help="EngineConfig.fuse_projections"
+    )
     args = parser.parse_args()
 
     backend = args.attention
     config, params = load_params(args.model)
     if args.layers == "loop":  # EngineConfig(scan_layers=False), see qwen3.py
         params = unstack_layers(params)
+    if args.fuse_projections:
+        params = fuse_projections(params)
     config = config.replace(attention_backend=backend)
     block_size, width = 256, 16
     step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
@@ -202,6 +214,7 @@ def main() -> None:
     kv_bytes = args.batch * args.context * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     layout = "stacked weights, scan" if is_stacked(params) else "a buffer per layer, loop"
+    layout += ", fused q/k/v and gate/up" if is_fused(params) else ""
     print(f"\n{args.model}, batch {args.batch}, context {args.context}, {backend}, {layout}")
     print(f"bytes per step: KV {kv_bytes / 1e9:.2f} GB, weights {weight_bytes / 1e9:.2f} GB")
     print(f"bound at 4.3 TB/s: {(kv_bytes + weight_bytes) / 4.3e12 * 1e3:.2f} ms")

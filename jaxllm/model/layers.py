@@ -85,11 +85,14 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache.
 
-    q/k/v are column-parallel (split by heads), o_proj row-parallel.
+    q/k/v are column-parallel (split by heads), o_proj row-parallel. With `fused`, q/k/v are
+    one weight `qkv_proj` [D, K, G + 2, H]: for each kv head its G = N / K query heads, its key
+    and its value (so a device's kv heads carry their query heads), one matmul instead of three.
     """
 
     config: Qwen3Config
     tp_size: int = 1
+    fused: bool = False
 
     @nn.compact
     def __call__(
@@ -109,14 +112,23 @@ class Attention(nn.Module):
         dtype = c.jnp_dtype
         d, h = c.hidden_size, c.head_dim
         n, k = c.num_heads // self.tp_size, c.num_kv_heads // self.tp_size
-        q_proj = self.param("q_proj", sharded(("embed", "heads", "head_dim")), (d, n, h), dtype)
-        k_proj = self.param("k_proj", sharded(("embed", "kv_heads", "head_dim")), (d, k, h), dtype)
-        v_proj = self.param("v_proj", sharded(("embed", "kv_heads", "head_dim")), (d, k, h), dtype)
+        if self.fused:
+            g = n // k
+            axes = ("embed", "kv_heads", "qkv", "head_dim")
+            qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
+            qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
+            q = qkv[:, :, :g].reshape(x.shape[0], n, h)
+            keys, values = qkv[:, :, g], qkv[:, :, g + 1]
+        else:
+            axes = ("embed", "heads", "head_dim")
+            q_proj = self.param("q_proj", sharded(axes), (d, n, h), dtype)
+            axes = ("embed", "kv_heads", "head_dim")
+            k_proj = self.param("k_proj", sharded(axes), (d, k, h), dtype)
+            v_proj = self.param("v_proj", sharded(axes), (d, k, h), dtype)
+            q = jnp.einsum("TD,DNH->TNH", x, q_proj)
+            keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
+            values = jnp.einsum("TD,DKH->TKH", x, v_proj)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-
-        q = jnp.einsum("TD,DNH->TNH", x, q_proj)
-        keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
-        values = jnp.einsum("TD,DKH->TKH", x, v_proj)
         q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
         keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
         q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
@@ -140,17 +152,24 @@ class MLP(nn.Module):
 
     config: Qwen3Config
     tp_size: int = 1
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         dtype = c.jnp_dtype
         d, f = c.hidden_size, c.intermediate_size // self.tp_size
-        gate_proj = self.param("gate_proj", sharded(("embed", "ffn")), (d, f), dtype)
-        up_proj = self.param("up_proj", sharded(("embed", "ffn")), (d, f), dtype)
+        if self.fused:  # one weight [D, 2, F], one matmul
+            axes = ("embed", "gate_up", "ffn")
+            gate_up_proj = self.param("gate_up_proj", sharded(axes), (d, 2, f), dtype)
+            gate_up = jnp.einsum("TD,DGF->TGF", x, gate_up_proj)
+            gate, up = gate_up[:, 0], gate_up[:, 1]
+        else:
+            gate_proj = self.param("gate_proj", sharded(("embed", "ffn")), (d, f), dtype)
+            up_proj = self.param("up_proj", sharded(("embed", "ffn")), (d, f), dtype)
+            gate = jnp.einsum("TD,DF->TF", x, gate_proj)
+            up = jnp.einsum("TD,DF->TF", x, up_proj)
         down_proj = self.param("down_proj", sharded(("ffn", "embed")), (f, d), dtype)
-        gate = jnp.einsum("TD,DF->TF", x, gate_proj)
-        up = jnp.einsum("TD,DF->TF", x, up_proj)
         out = jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, down_proj)  # this device's share
         return sum_over_shards(out, self.tp_size)
 
@@ -159,11 +178,13 @@ class DecoderLayer(nn.Module):
     """One pre-norm transformer block: the body of the layer scan, or of the layer loop.
 
     The carry is `(x [T, D], kv_cache)`: the whole cache goes through every layer and each
-    writes its slice at `layer`, so XLA updates the donated buffer in place.
+    writes its slice at `layer`, so XLA updates the donated buffer in place. `fused`: q/k/v
+    and gate/up each as one weight (see Attention, MLP).
     """
 
     config: Qwen3Config
     tp_size: int = 1
+    fused: bool = False
 
     @nn.compact
     def __call__(
@@ -177,9 +198,9 @@ class DecoderLayer(nn.Module):
         c = self.config
         x, kv_cache = carry
         attn_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x)
-        attention = Attention(c, self.tp_size, name="attn")
+        attention = Attention(c, self.tp_size, self.fused, name="attn")
         attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, inputs)
         x = x + attn_out
         mlp_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(x)
-        x = x + MLP(c, self.tp_size, name="mlp")(mlp_in)
+        x = x + MLP(c, self.tp_size, self.fused, name="mlp")(mlp_in)
         return (x, kv_cache), None

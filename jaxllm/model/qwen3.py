@@ -42,6 +42,9 @@ Param tree (layer params stacked on a leading L axis), global shapes and logical
     layers/mlp/down_proj [L, F, D] (layers, ffn, embed)
     final_norm/scale [D] (embed)
     lm_head [D, V] (embed, vocab) (untied models only; tied ones use embed)
+With fused projections (`fuse_projections`, either layout; G = N / K):
+    layers/attn/qkv_proj [L, D, K, G + 2, H] (layers, embed, kv_heads, qkv, head_dim)
+    layers/mlp/gate_up_proj [L, D, 2, F] (layers, embed, gate_up, ffn)
 
 Legend: T tokens, G tiles, S sampled rows, N query heads, K kv heads, H head dim, D model dim,
 F ffn dim, V vocab, L layers.
@@ -87,11 +90,13 @@ class Qwen3ForCausalLM(nn.Module):
             device's blocks (see the module docstring).
         scan_layers: a scan over stacked layer params ("layers"), or a loop over one param
             tree per layer ("layers_{i}"); see the module docstring.
+        fused: q/k/v and gate/up each as one weight (`fuse_projections`, layers.py).
     """
 
     config: Qwen3Config
     tp_size: int = 1
     scan_layers: bool = True
+    fused: bool = False
 
     @nn.compact
     def __call__(self, kv_cache: KVCache, inputs: ModelInputs) -> tuple[jax.Array, KVCache]:
@@ -113,13 +118,14 @@ class Qwen3ForCausalLM(nn.Module):
             )
             layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
             carry = (x, kv_cache)
-            (x, kv_cache), _ = layers(c, tp, name="layers")(carry, layer_ids, cos, sin, inputs)
+            layers = layers(c, tp, self.fused, name="layers")
+            (x, kv_cache), _ = layers(carry, layer_ids, cos, sin, inputs)
         elif self.is_initializing():
             for i in range(c.num_layers):
-                layer = DecoderLayer(c, tp, name=f"layers_{i}")
+                layer = DecoderLayer(c, tp, self.fused, name=f"layers_{i}")
                 (x, kv_cache), _ = layer((x, kv_cache), i, cos, sin, inputs)
         else:
-            apply_layer = _layer_function(c, tp)
+            apply_layer = _layer_function(c, tp, self.fused)
             for i in range(c.num_layers):
                 layer_params = self.variables["params"][f"layers_{i}"]
                 x, kv_cache = apply_layer(layer_params, x, kv_cache, np.int32(i), cos, sin, inputs)
@@ -135,7 +141,9 @@ class Qwen3ForCausalLM(nn.Module):
 
 
 @functools.cache
-def _layer_function(config: Qwen3Config, tp_size: int) -> Callable[..., tuple[jax.Array, KVCache]]:
+def _layer_function(
+    config: Qwen3Config, tp_size: int, fused: bool
+) -> Callable[..., tuple[jax.Array, KVCache]]:
     """One decoder layer as a jitted pure function of its params and a traced layer index.
 
     The layer loop calls it once per layer: JAX traces and lowers it once per step shape and
@@ -144,7 +152,7 @@ def _layer_function(config: Qwen3Config, tp_size: int) -> Callable[..., tuple[ja
     """
 
     def apply_layer(params, x, kv_cache, layer, cos, sin, inputs):
-        module = DecoderLayer(config, tp_size)
+        module = DecoderLayer(config, tp_size, fused)
         (x, kv_cache), _ = module.apply({"params": params}, (x, kv_cache), layer, cos, sin, inputs)
         return x, kv_cache
 
@@ -180,7 +188,9 @@ def forward(
     Returns:
         logits [S, V] float32 at `inputs.sample_indices`, and the updated cache.
     """
-    model = Qwen3ForCausalLM(config, tp_size, scan_layers=is_stacked(params))
+    model = Qwen3ForCausalLM(
+        config, tp_size, scan_layers=is_stacked(params), fused=is_fused(params)
+    )
     return model.apply({"params": params}, kv_cache, inputs)
 
 
@@ -222,6 +232,103 @@ def _take_layer(sharding) -> Callable[[jax.Array, int], jax.Array]:
     return jax.jit(take, out_shardings=sharding)
 
 
+def is_fused(params: Params) -> bool:
+    """Whether q/k/v and gate/up are one weight each (`fuse_projections`)."""
+    layer = params["layers"] if is_stacked(params) else params["layers_0"]
+    return "qkv_proj" in layer["attn"]
+
+
+def fuse_projections(params: Params) -> Params:
+    """The param tree with q/k/v and gate/up each as one weight, per layer (stacked or not).
+
+    `qkv_proj` [..., D, K, G + 2, H] holds, for each kv head, its G = N / K query heads, its key
+    and its value; `gate_up_proj` [..., D, 2, F] gate and up. A step then runs one matmul for
+    q/k/v and one for gate/up per layer without concatenating weights (XLA's dot merger would,
+    every step). Each fused weight is sharded as its parts: on K, on F. Returns a new tree.
+    """
+    if is_fused(params):
+        return params
+    fused = dict(params)
+    for name in _layer_trees(params):
+        layer = dict(params[name])
+        attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+        q, k, v = attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")
+        attn["qkv_proj"] = _jit(_fuse_qkv, _with_axis_before(k, -1))(q, k, v)
+        gate, up = mlp.pop("gate_proj"), mlp.pop("up_proj")
+        mlp["gate_up_proj"] = _jit(_fuse_gate_up, _with_axis_before(gate, -1))(gate, up)
+        fused[name] = layer | {"attn": attn, "mlp": mlp}
+    return fused
+
+
+def unfuse_projections(params: Params) -> Params:
+    """The inverse of `fuse_projections` (q/k/v and gate/up as separate weights again)."""
+    if not is_fused(params):
+        return params
+    unfused = dict(params)
+    for name in _layer_trees(params):
+        layer = dict(params[name])
+        attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+        qkv = attn.pop("qkv_proj")
+        part = _without_axis(qkv, -2)
+        attn["q_proj"], attn["k_proj"], attn["v_proj"] = _jit(_split_qkv, (part,) * 3)(qkv)
+        gate_up = mlp.pop("gate_up_proj")
+        part = _without_axis(gate_up, -2)
+        mlp["gate_proj"], mlp["up_proj"] = _jit(_split_gate_up, (part,) * 2)(gate_up)
+        unfused[name] = layer | {"attn": attn, "mlp": mlp}
+    return unfused
+
+
+def _layer_trees(params: Params) -> list[str]:
+    return ["layers"] if is_stacked(params) else [n for n in params if n.startswith("layers_")]
+
+
+def _fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    *lead, d, n, h = q.shape
+    num_kv = k.shape[-2]
+    q = q.reshape(*lead, d, num_kv, n // num_kv, h)
+    return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def _split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    *lead, d, num_kv, g, h = qkv.shape
+    g -= 2
+    return qkv[..., :g, :].reshape(*lead, d, num_kv * g, h), qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def _fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jnp.stack([gate, up], axis=-2)
+
+
+def _split_gate_up(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return gate_up[..., 0, :], gate_up[..., 1, :]
+
+
+def _with_axis_before(array: jax.Array, axis: int):
+    """`array`'s sharding for an array with one more, unsharded, axis before `axis`."""
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = list(sharding.spec) + [None] * (array.ndim - len(sharding.spec))
+    spec.insert(axis % array.ndim, None)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def _without_axis(array: jax.Array, axis: int):
+    """`array`'s sharding for an array without its (unsharded) axis `axis`."""
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = list(sharding.spec) + [None] * (array.ndim - len(sharding.spec))
+    del spec[axis]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+@functools.cache
+def _jit(fn: Callable, out_shardings) -> Callable:
+    """`fn` jitted with these out_shardings (one compile per weight shape, not per layer)."""
+    return jax.jit(fn, out_shardings=out_shardings)
+
+
 def stack_layers(params: Params) -> Params:
     """The inverse of `unstack_layers`: layer params stacked on a leading L axis."""
     if is_stacked(params):
@@ -235,15 +342,15 @@ def stack_layers(params: Params) -> Params:
 
 
 def sharded_forward(
-    config: Qwen3Config, mesh: Mesh, scan_layers: bool = True
+    config: Qwen3Config, mesh: Mesh, scan_layers: bool = True, fused: bool = False
 ) -> Callable[[Params, KVCache, ModelInputs], tuple[jax.Array, KVCache]]:
     """`forward` under shard_map over `mesh`: (params, kv_cache, inputs) -> (logits, kv_cache).
 
     Params and cache come sharded as `param_shardings` and `kv_cache.kv_cache_specs` say, the
     inputs replicated; the logits [S, V] come back replicated. Jit it with `donate_argnums=1`
     and `compiler_options=COMPILER_OPTIONS`, as the engine's runner does.
-    `scan_layers=False` takes the params with one tree per layer (`unstack_layers`), sharded as
-    `param_specs(config, scan_layers=False)` says.
+    `scan_layers=False` takes the params with one tree per layer (`unstack_layers`) and `fused`
+    those with fused projections (`fuse_projections`), sharded as `param_specs` says.
 
     Raises:
         ValueError: the mesh's size does not divide the heads, kv heads, ffn or vocab.
@@ -257,7 +364,7 @@ def sharded_forward(
     return shard_map(
         step,
         mesh,
-        in_specs=(param_specs(config, scan_layers), kv_cache_specs(), PartitionSpec()),
+        in_specs=(param_specs(config, scan_layers, fused), kv_cache_specs(), PartitionSpec()),
         out_specs=(PartitionSpec(), kv_cache_specs()),
     )
 
@@ -275,10 +382,12 @@ def dummy_inputs() -> ModelInputs:
     )
 
 
-def _boxed_init(config: Qwen3Config, key: jax.Array, scan_layers: bool = True) -> Params:
+def _boxed_init(
+    config: Qwen3Config, key: jax.Array, scan_layers: bool = True, fused: bool = False
+) -> Params:
     """Random params, each wrapped with its logical axes (`nn.LogicallyPartitioned`)."""
     kv_cache = allocate_kv_cache(config, num_blocks=1, block_size=8)
-    model = Qwen3ForCausalLM(config, scan_layers=scan_layers)
+    model = Qwen3ForCausalLM(config, scan_layers=scan_layers, fused=fused)
     return model.init(key, kv_cache, dummy_inputs())["params"]
 
 
@@ -286,10 +395,11 @@ def _init(config: Qwen3Config, key: jax.Array) -> Params:
     return nn.meta.unbox(_boxed_init(config, key))
 
 
-def param_specs(config: Qwen3Config, scan_layers: bool = True) -> Params:
+def param_specs(config: Qwen3Config, scan_layers: bool = True, fused: bool = False) -> Params:
     """The param tree of mesh `PartitionSpec`s, from each weight's logical axes (for the
-    stacked tree, or with `scan_layers=False` for one tree per layer)."""
-    init = functools.partial(_boxed_init, config, scan_layers=scan_layers)
+    stacked tree, or with `scan_layers=False` for one tree per layer; `fused`: with fused
+    projections)."""
+    init = functools.partial(_boxed_init, config, scan_layers=scan_layers, fused=fused)
     boxed = jax.eval_shape(init, jax.random.key(0))
     return jax.tree.map(
         lambda spec: logical_to_spec(tuple(spec)),

@@ -40,6 +40,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "heads": TP_AXIS,  # N
     "kv_heads": TP_AXIS,  # K
     "head_dim": None,  # H
+    "qkv": None,  # G + 2: a kv head's G query heads, its key and its value (fused q/k/v)
+    "gate_up": None,  # 2: gate and up (fused)
     "ffn": TP_AXIS,  # F
     "vocab": TP_AXIS,  # V
     "blocks": None,  # NB

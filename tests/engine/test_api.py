@@ -120,15 +120,23 @@ def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
     )
 
 
+@pytest.mark.parametrize("fuse_projections", [False, True])
 def test_save_round_trip_from_a_buffer_per_layer(
-    checkpoint, greedy_prompts, greedy_reference, tmp_path
+    checkpoint, greedy_prompts, greedy_reference, tmp_path, fuse_projections
 ):
-    """An engine holding one weight buffer per layer (the GPU's) saves the stacked tree."""
-    LLM(checkpoint.path, scan_layers=False, **BASE_SETTINGS).save(tmp_path / "saved")
+    """An engine holding one weight buffer per layer (the GPU's), its q/k/v and gate/up apart
+    or fused, saves the stacked tree with them apart, and keeps serving."""
+    llm = LLM(
+        checkpoint.path, scan_layers=False, fuse_projections=fuse_projections, **BASE_SETTINGS
+    )
+    llm.save(tmp_path / "saved")
 
     loaded = LLM(tmp_path / "saved", **BASE_SETTINGS)
 
-    assert "layers" in loaded.engine.runner.params
+    params = loaded.engine.runner.params
+    assert "layers" in params and "q_proj" in params["layers"]["attn"]
+    outputs = llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == greedy_reference[:2]
     outputs = loaded.generate(greedy_prompts[:4], greedy_params(), use_tqdm=False)
     assert [o.token_ids for o in outputs] == greedy_reference[:4]
 

@@ -101,9 +101,11 @@ def check_greedy_tokens_and_shards(
     head_dim: int,
     attention_backend: str = "auto",
     scan_layers: bool = True,
+    fuse_projections: bool = False,
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
-    KV cache are split `tp` ways (weights stacked over layers, or one tree per layer)."""
+    KV cache are split `tp` ways (weights stacked over layers, or one tree per layer; q/k/v and
+    gate/up apart or fused)."""
     from jaxllm import LLM
 
     path, reference = checkpoint
@@ -112,6 +114,7 @@ def check_greedy_tokens_and_shards(
         tensor_parallel_size=tp,
         attention_backend=attention_backend,
         scan_layers=scan_layers,
+        fuse_projections=fuse_projections,
         **SETTINGS,
     )
 
@@ -127,9 +130,20 @@ def check_greedy_tokens_and_shards(
             f"layers_{i}" for i in range(LAYERS)
         }
         layers, stacked = params[f"layers_{LAYERS - 1}"], ()
-    q_proj = layers["attn"]["q_proj"]
-    assert len(q_proj.addressable_shards) == tp
-    assert q_proj.addressable_shards[0].data.shape == (*stacked, HIDDEN, num_heads // tp, head_dim)
+    if fuse_projections:  # for each kv head: its query heads, its key, its value
+        qkv_proj = layers["attn"]["qkv_proj"]
+        assert len(qkv_proj.addressable_shards) == tp
+        group = num_heads // num_kv_heads
+        shape = (*stacked, HIDDEN, num_kv_heads // tp, group + 2, head_dim)
+        assert qkv_proj.addressable_shards[0].data.shape == shape
+        gate_up_proj = layers["mlp"]["gate_up_proj"]
+        shape = (*stacked, HIDDEN, 2, (2 * HIDDEN + 32) // tp)
+        assert gate_up_proj.addressable_shards[0].data.shape == shape
+    else:
+        q_proj = layers["attn"]["q_proj"]
+        assert len(q_proj.addressable_shards) == tp
+        shape = (*stacked, HIDDEN, num_heads // tp, head_dim)
+        assert q_proj.addressable_shards[0].data.shape == shape
     down_proj = layers["mlp"]["down_proj"]
     assert down_proj.addressable_shards[0].data.shape == (*stacked, (2 * HIDDEN + 32) // tp, HIDDEN)
     assert params["embed"].addressable_shards[0].data.shape == (VOCAB // tp, HIDDEN)
@@ -148,6 +162,14 @@ def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
 def test_greedy_tokens_equal_transformers_with_a_buffer_per_layer(checkpoint, tp):
     """The GPU's layer loop (`scan_layers=False`: one weight buffer per layer, no scan)."""
     check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM, scan_layers=False)
+
+
+@pytest.mark.parametrize(("tp", "scan_layers"), [(1, True), (2, False)])
+def test_greedy_tokens_equal_transformers_with_fused_projections(checkpoint, tp, scan_layers):
+    """q/k/v and gate/up each as one weight (`fuse_projections`), with either layer layout."""
+    check_greedy_tokens_and_shards(
+        checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM, scan_layers=scan_layers, fuse_projections=True
+    )
 
 
 def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
