@@ -41,7 +41,7 @@ class EngineConfig:
             on an H200, docs/performance.md) and compiles ~2-4x slower; None: the loop on a
             GPU, else the scan.
         fuse_projections: hold q/k/v and gate/up each as one weight per layer, one matmul each
-            without XLA's per-step weight concatenation (qwen3.fuse_projections); not yet
+            without XLA's per-step weight concatenation (layouts.fuse_projections); not yet
             measured on a GPU, so off by default.
         compile_at_startup: compile every bucket of the ladder before serving.
         compilation_cache_dir: JAX's persistent compilation cache; "" turns it off.

@@ -25,7 +25,7 @@ from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import fuse_projections, unstack_layers
+from jaxllm.model.layouts import fuse_projections, unstack_layers
 from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import COMPILATIONS, ModelRunner, step_scratch_bytes

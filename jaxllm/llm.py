@@ -121,7 +121,7 @@ class LLM:
         with the eos ids this engine stops at.
         """
         from jaxllm.model.checkpoint import save_params
-        from jaxllm.model.qwen3 import stack_layers, unfuse_projections
+        from jaxllm.model.layouts import stack_layers, unfuse_projections
 
         params = stack_layers(unfuse_projections(self.engine.runner.params))
         save_params(path, self.engine.model_config, params)

@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, is_fused, is_stacked, sharded_forward
+from jaxllm.model.layouts import is_fused, is_stacked
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, SamplingInputs, sample, sampler_mode
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape

@@ -31,14 +31,8 @@ from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import (
-    COMPILER_OPTIONS,
-    forward,
-    fuse_projections,
-    is_fused,
-    is_stacked,
-    unstack_layers,
-)
+from jaxllm.model.layouts import fuse_projections, is_fused, is_stacked, unstack_layers
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
 from jaxllm.model.sampler import SamplingInputs, sample
 
 

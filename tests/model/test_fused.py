@@ -9,15 +9,8 @@ from jax.sharding import NamedSharding
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.qwen3 import (
-    forward,
-    fuse_projections,
-    init_params,
-    is_fused,
-    param_specs,
-    unfuse_projections,
-    unstack_layers,
-)
+from jaxllm.model.layouts import fuse_projections, is_fused, unfuse_projections, unstack_layers
+from jaxllm.model.qwen3 import forward, init_params, param_specs
 from jaxllm.model.sharding import make_mesh
 
 from .helpers import Chunk, build_inputs

@@ -9,7 +9,8 @@ import pytest
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, write_kv
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params, unstack_layers
+from jaxllm.model.layouts import unstack_layers
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params
 
 from .helpers import Chunk, build_inputs
 

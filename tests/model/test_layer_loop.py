@@ -9,7 +9,8 @@ import numpy as np
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.qwen3 import forward, init_params, unstack_layers
+from jaxllm.model.layouts import unstack_layers
+from jaxllm.model.qwen3 import forward, init_params
 
 from .helpers import Chunk, build_inputs
 

@@ -15,15 +15,9 @@ from jax.sharding import NamedSharding
 from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.layouts import stack_layers, unstack_layers
 from jaxllm.model.loader import load_hf_checkpoint
-from jaxllm.model.qwen3 import (
-    forward,
-    init_params,
-    param_specs,
-    sharded_forward,
-    stack_layers,
-    unstack_layers,
-)
+from jaxllm.model.qwen3 import forward, init_params, param_specs, sharded_forward
 from jaxllm.model.sharding import (
     check_tensor_parallel,
     gspmd_partitioner,
