@@ -6,15 +6,11 @@ One `step()` = `Scheduler.schedule()` -> `BatchBuilder.build()` -> `ModelRunner.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -40,6 +36,14 @@ from jaxllm.sched import (
     Sequence,
 )
 from jaxllm.sched.batch import BucketShape
+from jaxllm.startup import (
+    configure_compilation_cache,
+    eos_token_ids,
+    is_cuda,
+    is_gpu,
+    resolve_model,
+    timed_phase,
+)
 from jaxllm.tokenizer import IncrementalDetokenizer, decode_tokens, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -95,74 +99,6 @@ class EngineStats:
     decode: StepStats = field(default_factory=StepStats)
 
 
-def is_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def is_cuda() -> bool:
-    """An NVIDIA GPU (jax calls ROCm GPUs "gpu" too; their platform version names ROCm)."""
-    if not is_gpu():
-        return False
-    return "rocm" not in getattr(jax.devices()[0].client, "platform_version", "").lower()
-
-
-def configure_compilation_cache(directory: str) -> None:
-    """Turns on JAX's persistent compilation cache in `directory` ("" leaves it off)."""
-    if not directory or jax.config.jax_compilation_cache_dir:
-        return
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def resolve_model(model: str) -> str:
-    """A local directory or `random:<shape>` for `model`; Hub ids are downloaded if possible."""
-    if model.startswith(RANDOM_PREFIX) or Path(model).is_dir():
-        return model
-    if Path(model).exists():
-        raise FileNotFoundError(f"model path {model!r} is not a directory")
-    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise FileNotFoundError(f"model path {model!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-        )
-    except Exception as error:
-        raise FileNotFoundError(
-            f"model {model!r} is not a local directory and could not be downloaded from the "
-            f"Hugging Face Hub ({type(error).__name__}: {error}); pass a local path or "
-            "random:<shape>"
-        ) from error
-
-
-def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
-    """The tokenizer's eos plus those of the model's generation_config.json."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    generation_config = Path(model_path) / "generation_config.json"
-    if generation_config.is_file():
-        import json
-
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    return tuple(sorted(ids))
-
-
-@contextlib.contextmanager
-def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Adds the block's wall time to `seconds[name]` and logs it."""
-    start = time.perf_counter()
-    yield
-    elapsed = time.perf_counter() - start
-    seconds[name] = seconds.get(name, 0.0) + elapsed
-    logger.info("%s: %.1f s", name, elapsed)
-
-
 class Engine:
     """Runs requests to completion, one step at a time.
 
@@ -174,7 +110,7 @@ class Engine:
         self.config = config
         # Seconds of each start-up phase, logged at INFO and kept for bench.py's record.
         self.startup_seconds: dict[str, float] = {}
-        phase = functools.partial(_timed, self.startup_seconds)
+        phase = functools.partial(timed_phase, self.startup_seconds)
         model_path = resolve_model(config.model)
         # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
         self.mesh = make_mesh(config.tensor_parallel_size)
@@ -472,26 +408,3 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             metrics=request.metrics,
         )
-
-
-def default_model() -> str:
-    """The embedded default: random qwen3-0.6b weights on a GPU, qwen3-tiny on a CPU."""
-    from jaxllm.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL
-
-    return os.environ.get("JAXLLM_MODEL") or (DEFAULT_GPU_MODEL if is_gpu() else DEFAULT_CPU_MODEL)
-
-
-def default_engine_kwargs() -> dict:
-    """Engine settings of the embedded default: the LLM defaults on a GPU, lighter on a CPU.
-
-    On a CPU each bucket of the ladder takes about half a second to compile: a smaller ladder,
-    compiled bucket by bucket as requests need them (a demo's few prompts need a few).
-    """
-    if is_gpu():
-        return {}
-    return {
-        "max_num_seqs": 16,
-        "max_model_len": 1024,
-        "max_num_batched_tokens": 1024,
-        "compile_at_startup": False,
-    }

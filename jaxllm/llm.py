@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
-from jaxllm.engine import Engine, default_engine_kwargs, default_model
+from jaxllm.engine import Engine
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.runner import COMPILATIONS
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.startup import default_engine_kwargs, default_model
 from jaxllm.tokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
