@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 
 
@@ -78,3 +79,19 @@ def build_inputs(
 def relative_error(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def small_config(**overrides) -> Qwen3Config:
+    """A float32 model small enough to run many steps in a test: 3 layers, 2 heads of 16, one kv
+    head, a vocabulary of 64."""
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        dtype="float32",
+    )
+    return Qwen3Config(**values | overrides)

@@ -7,23 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, write_kv
 from jaxllm.model.layouts import unstack_layers
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params
 
-from .helpers import Chunk, build_inputs
+from .helpers import Chunk, build_inputs, small_config
 
-CONFIG = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    dtype="float32",
-)
+CONFIG = small_config()
 
 
 def test_allocate_layout_and_bytes():

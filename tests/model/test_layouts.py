@@ -1,30 +1,23 @@
-"""Fused projections (`fuse_projections`): q/k/v and gate/up each as one weight per layer."""
+"""Param layouts (`layouts.py`): the layer loop over one tree per layer, which traces one layer,
+and fused projections (q/k/v and gate/up each as one weight per layer)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.layouts import fuse_projections, is_fused, unfuse_projections, unstack_layers
 from jaxllm.model.qwen3 import forward, init_params, param_specs
 from jaxllm.model.sharding import make_mesh
 
-from .helpers import Chunk, build_inputs
+from .helpers import Chunk, build_inputs, small_config
 
-CONFIG = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    dtype="float32",
-)
+CONFIG = small_config(num_heads=4, num_kv_heads=2)
 GROUP = CONFIG.num_heads // CONFIG.num_kv_heads
 INPUTS = build_inputs(
     [Chunk([1, 2, 3, 4, 5], 0, [3]), Chunk([9, 8, 7], 0, [1])], 8, tile_size=4, table_width=1
@@ -42,6 +35,29 @@ def layouts(seed: int, mesh=None) -> dict[str, dict]:
         "stacked": init_params(CONFIG, seed=seed, mesh=mesh),
         "per layer": unstack_layers(init_params(CONFIG, seed=seed, mesh=mesh)),
     }
+
+
+def test_the_loop_gives_the_scans_logits_and_cache():
+    stacked = init_params(CONFIG, seed=3)
+    logits, cache = run(stacked)
+
+    loop_logits, loop_cache = run(unstack_layers(init_params(CONFIG, seed=3)))
+
+    np.testing.assert_allclose(loop_logits, logits, rtol=1e-5, atol=1e-5)
+    for loop_array, array in zip(jax.tree.leaves(loop_cache), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_allclose(loop_array, array, rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(array[:, 3, :5])).min(axis=(-1, -2)).all()  # every layer wrote
+
+
+def test_the_loop_traces_and_lowers_one_layer_called_once_per_layer():
+    """Start-up time: a step's trace and lowering do not grow with the number of layers."""
+    params = unstack_layers(init_params(CONFIG, seed=0))
+    cache = allocate_kv_cache(CONFIG, num_blocks=4, block_size=8)
+
+    text = jax.jit(forward, static_argnums=1).lower(params, CONFIG, cache, INPUTS).as_text()
+
+    assert len(re.findall(r"func\.func private @apply_layer\b", text)) == 1
+    assert len(re.findall(r"call @apply_layer\(", text)) == CONFIG.num_layers
 
 
 @pytest.mark.parametrize("layout", ["stacked", "per layer"])
