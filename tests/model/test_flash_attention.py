@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.qwen3 import forward
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
 
 from .helpers import Chunk, build_inputs
 
@@ -147,12 +147,18 @@ def test_fast_model_logits_match_reference_in_bfloat16(num_layers, backend):
         assert fast < 1.25 * reference, report
 
 
-@pytest.mark.parametrize("backend", ["flash", "pallas"])
-def test_fast_greedy_tokens_agree_until_a_bf16_near_tie(backend):
-    """Greedy decoding of the qwen3-0.6b shape (random bf16 weights) with each backend: the
-    tokens agree until the first step where the portable backend's own top two logits are
-    within bf16 noise of each other (then either choice is right)."""
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("flash", "stacked"), ("pallas", "stacked"), ("pallas", "loop"), ("pallas", "loop, fused")],
+)
+def test_fast_greedy_tokens_agree_until_a_bf16_near_tie(backend, layout):
+    """Greedy decoding of the qwen3-0.6b shape (random bf16 weights) with each backend, and
+    with the GPU engine's param layouts (the layer loop, fused projections): the tokens agree
+    with the portable backend's (stacked weights, the layer scan) until the first step where
+    the latter's own top two logits are within bf16 noise of each other (then either choice is
+    right)."""
     from jaxllm.model.config import PRESETS
+    from jaxllm.model.layouts import fuse_projections, unstack_layers
     from jaxllm.model.qwen3 import init_params
 
     skip_unless_runs(backend)
@@ -164,9 +170,9 @@ def test_fast_greedy_tokens_agree_until_a_bf16_near_tie(backend):
         Chunk(c.token_ids, 0, c.block_table)
         for c in random_chunks(rng, 8, 0, 400, num_blocks, room=num_steps)
     ]
-    step = jax.jit(forward, static_argnums=1, donate_argnums=2)
+    step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
 
-    def greedy(run: str) -> tuple[np.ndarray, np.ndarray]:
+    def greedy(run: str, params) -> tuple[np.ndarray, np.ndarray]:
         """[steps, prompts] tokens and [steps, prompts, V] logits of greedy decoding."""
         model = config.replace(attention_backend=run)
         cache = allocate_kv_cache(model, num_blocks, BLOCK_SIZE)
@@ -191,8 +197,12 @@ def test_fast_greedy_tokens_agree_until_a_bf16_near_tie(backend):
             lengths = [n + 1 for n in lengths]
         return np.stack(tokens), np.stack(all_logits)
 
-    reference_tokens, reference_logits = greedy("reference")
-    fast_tokens, _ = greedy(backend)
+    reference_tokens, reference_logits = greedy("reference", params)
+    if layout != "stacked":
+        params = unstack_layers(params)
+    if layout == "loop, fused":
+        params = fuse_projections(params)
+    fast_tokens, _ = greedy(backend, params)
     agreed = []
     for row in range(len(prompts)):
         differ = np.flatnonzero(reference_tokens[:, row] != fast_tokens[:, row])
