@@ -149,6 +149,11 @@ def _packed(layout: Layout, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((_packed_size(layout),), jnp.int32, sharding=sharding)
 
 
+def _sharded_forward(config: Qwen3Config, mesh: Mesh, params):
+    """The model step under shard_map for the layout of `params` (stacked or not, fused or not)."""
+    return sharded_forward(config, mesh, is_stacked(params), is_fused(params))
+
+
 def _forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, shape: BucketShape):
     """The model step, its placeholder token ids first replaced by the previous step's samples.
 
@@ -199,7 +204,7 @@ def step_scratch_bytes(
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
     forward = jax.jit(
-        sharded_forward(config, mesh, is_stacked(params), is_fused(params)),
+        _sharded_forward(config, mesh, params),
         donate_argnums=1,
         compiler_options=COMPILER_OPTIONS,
     )
@@ -251,7 +256,7 @@ class ModelRunner:
         self._forward = jax.jit(
             functools.partial(
                 _forward_step,
-                sharded_forward(config, self.mesh, is_stacked(params), is_fused(params)),
+                _sharded_forward(config, self.mesh, params),
             ),
             static_argnames="shape",
             donate_argnums=1,

@@ -47,7 +47,7 @@ def unstack_layers(params: Params) -> Params:
         sharding = stacked.sharding
         if isinstance(sharding, NamedSharding):
             sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
-        take = _take_layer(sharding)
+        take = _jit(_take_layer, sharding)
         slices.append([take(stacked, i) for i in range(num_layers)])
         del stacked
     unstacked = dict(params)
@@ -56,11 +56,8 @@ def unstack_layers(params: Params) -> Params:
     return unstacked
 
 
-@functools.cache
-def _take_layer(sharding) -> Callable[[jax.Array, int], jax.Array]:
-    """`stacked[i]` laid out as `sharding` (one compile per weight shape, not per layer)."""
-    take = functools.partial(lax.dynamic_index_in_dim, axis=0, keepdims=False)
-    return jax.jit(take, out_shardings=sharding)
+def _take_layer(stacked: jax.Array, i: jax.Array) -> jax.Array:
+    return lax.dynamic_index_in_dim(stacked, i, axis=0, keepdims=False)
 
 
 def is_fused(params: Params) -> bool:
@@ -136,27 +133,28 @@ def _split_gate_up(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _with_axis_before(array: jax.Array, axis: int):
     """`array`'s sharding for an array with one more, unsharded, axis before `axis`."""
-    sharding = array.sharding
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = list(sharding.spec) + [None] * (array.ndim - len(sharding.spec))
-    spec.insert(axis % array.ndim, None)
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return _respec(array, lambda spec: spec.insert(axis % array.ndim, None))
 
 
 def _without_axis(array: jax.Array, axis: int):
     """`array`'s sharding for an array without its (unsharded) axis `axis`."""
+    return _respec(array, lambda spec: spec.pop(axis))
+
+
+def _respec(array: jax.Array, edit: Callable[[list], object]):
+    """`array`'s sharding with its spec (one entry per axis) changed in place by `edit`."""
     sharding = array.sharding
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = list(sharding.spec) + [None] * (array.ndim - len(sharding.spec))
-    del spec[axis]
+    edit(spec)
     return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 @functools.cache
 def _jit(fn: Callable, out_shardings) -> Callable:
-    """`fn` jitted with these out_shardings (one compile per weight shape, not per layer)."""
+    """`fn` jitted with these out_shardings: one jit per (fn, sharding), so one compile per
+    weight shape, not per layer."""
     return jax.jit(fn, out_shardings=out_shardings)
 
 
