@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fuse-projections",
-        action="store_true",
-        help="q/k/v and gate/up each as one weight per layer (EngineConfig.fuse_projections)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="q/k/v and gate/up each as one weight per layer (EngineConfig.fuse_projections; "
+        "default: on a GPU)",
     )
     parser.add_argument(
         "--compile-at-startup",
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_backend": llm.attention_backend,
         "scan_layers": llm.scan_layers,
-        "fused_projections": args.fuse_projections,
+        "fused_projections": llm.fused_projections,
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,

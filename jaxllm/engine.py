@@ -121,7 +121,8 @@ class Engine:
             self.scan_layers = self._scan_layers(config)
             if not self.scan_layers:  # before sizing the cache: the stacked arrays are freed here
                 params = unstack_layers(params)
-            if config.fuse_projections:
+            self.fused_projections = self._fuse_projections(config)
+            if self.fused_projections:
                 params = fuse_projections(params)
         backend = self._attention_backend(config, model_config)
         self.model_config = model_config.replace(attention_backend=backend)
@@ -195,6 +196,12 @@ class Engine:
         None the scan on a CPU (faster to compile) and the layer loop on a GPU (faster steps:
         XLA:GPU copies each layer's weights out of the stacked arrays, docs/performance.md)."""
         return not is_gpu() if config.scan_layers is None else config.scan_layers
+
+    @staticmethod
+    def _fuse_projections(config: EngineConfig) -> bool:
+        """Whether q/k/v and gate/up are one weight each: `config.fuse_projections`, or if None
+        on a GPU (where XLA would concatenate the separate weights every step)."""
+        return is_gpu() if config.fuse_projections is None else config.fuse_projections
 
     @staticmethod
     def _attention_backend(config: EngineConfig, model: Qwen3Config) -> str:

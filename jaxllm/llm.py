@@ -103,6 +103,11 @@ class LLM:
         return self.engine.scan_layers
 
     @property
+    def fused_projections(self) -> bool:
+        """Whether q/k/v and gate/up are held as one weight each (per layer)."""
+        return self.engine.fused_projections
+
+    @property
     def attention_backend(self) -> str:
         return self.engine.model_config.attention_backend
 

@@ -1,15 +1,18 @@
 """Paged decode attention kernels side by side on the GPU: `python scripts/attention_kernels.py`.
 
 One layer of decode attention, 16 query / 8 kv heads of 128, bf16, each sequence's pages
-scattered over the pool, for several batch x context cases:
+scattered over the pool, for several batch x context cases (a context "LO-HI": each
+sequence's drawn uniformly; block tables as wide as the engine's, a power of two):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
-- jaxllm's Pallas decode kernel (`jaxllm.model.decode_attention`), same layout, several tiles
-  and Triton launch settings;
+- jaxllm's Pallas decode kernel (`jaxllm.model.decode_attention`), same layout, over its key
+  splits (`--sweep splits`, the default) or its tiles and Triton launch settings (`launch`);
 - with --jax-pallas, JAX's Pallas (Triton) paged attention,
   `jax.experimental.pallas.ops.gpu.paged_attention`, on its layout [kv_heads, pages, page_size,
   dim]. Seen on an H200 (2026-11-30): 1.1-2.1 TB/s, below FA3 at every page size.
-Prints, per kernel and context, the median time of 20 device-bound runs, the effective
-bandwidth (KV bytes read / time) and the relative error against a float32 jnp reference.
+Prints, per kernel and context, the time of one call (the median of 20 runs of one jitted
+function calling it `--repeat` times, each on the last one's output: no dispatch in between),
+the effective bandwidth (KV bytes read / time) and the relative error against a float32 jnp
+reference.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from decode_step import timed  # scripts/decode_step.py
 
-HEADS, KV_HEADS, DIM, MAX_LEN = 16, 8, 128, 4096
+HEADS, KV_HEADS, DIM = 16, 8, 128
 
 
 def reference(q, keys, values, lengths):
@@ -43,26 +46,30 @@ def rel_err(out, ref) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    cases = ["256x512", "256x1024", "256x2048", "32x1024"]
-    parser.add_argument("--cases", nargs="+", default=cases, help="batch x context")
+    cases = ["256x512", "256x1024", "256x2048", "256x100-2048", "32x1024"]
+    parser.add_argument("--cases", nargs="+", default=cases, help="batch x context[-max]")
+    parser.add_argument("--sweep", choices=["splits", "launch"], default="splits")
+    parser.add_argument("--repeat", type=int, default=28, help="calls per timed run")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     for case in args.cases:
-        batch, context = map(int, case.split("x"))
+        batch, contexts = case.split("x")
+        batch, *span = int(batch), *map(int, contexts.split("-"))
+        context = -(-span[-1] // 256) * 256
         keys = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
         values = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((batch, HEADS, DIM)), jnp.bfloat16)
-        lengths = jnp.full((batch,), context, jnp.int32)
+        lengths = jnp.asarray(rng.integers(span[0], span[-1] + 1, batch), jnp.int32)
         ref = reference(q, keys, values, lengths)
-        kv_bytes = 2 * keys.nbytes
+        kv_bytes = 2 * keys.nbytes * int(lengths.sum()) // keys.shape[0] // keys.shape[1]
         for page in args.page_sizes:
             per_seq = context // page
             # Scatter: page j of sequence b sits at a random place in the pool.
             order = rng.permutation(batch * per_seq).astype(np.int32)
-            tables = np.zeros((batch, MAX_LEN // page), np.int32)
+            tables = np.zeros((batch, 1 << (per_seq - 1).bit_length()), np.int32)
             tables[:, :per_seq] = order.reshape(batch, per_seq)
             pool_shape = (batch * per_seq, page, KV_HEADS, DIM)
             k_pool = (
@@ -76,12 +83,7 @@ def main() -> None:
                 .set(values.reshape(batch * per_seq, page, KV_HEADS, DIM))
             )
             tables = jnp.asarray(tables)
-            candidates = [("fa3", {})]
-            for tile_rows in (64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        options = dict(rows=tile_rows, num_warps=warps, num_stages=stages)
-                        candidates.append(("jaxllm", options))
+            candidates = [("fa3", {})] + [("jaxllm", o) for o in jaxllm_options(args.sweep)]
             if args.jax_pallas:
                 for block_k in (64, 128):
                     if block_k >= page:
@@ -90,7 +92,7 @@ def main() -> None:
                 name = f"{kind} page={page} " + " ".join(f"{k}={v}" for k, v in options.items())
                 try:
                     fn, operands = kernel(kind, options, q, k_pool, v_pool, tables, lengths)
-                    seconds = timed(fn, *operands)
+                    seconds = timed(repeated(fn, args.repeat), *operands) / args.repeat
                     error = rel_err(fn(*operands), ref)
                     rows.append((case, name, seconds, kv_bytes / seconds / 1e12, error))
                 except Exception as exc:  # an experiment: report and go on
@@ -100,6 +102,37 @@ def main() -> None:
     print(f"\n{'case':>9s} {'kernel':50s} {'ms':>8s} {'TB/s':>6s} {'rel err':>8s}")
     for case, name, seconds, bandwidth, error in rows:
         print(f"{case:>9s} {name:50s} {seconds * 1e3:8.3f} {bandwidth:6.2f} {error:8.1e}")
+
+
+def repeated(fn, times: int):
+    """`fn` called `times` times in one jitted function, each on a query made of the last
+    output (so that no call can be hoisted or skipped)."""
+
+    def run(q, *operands):
+        def body(_, q):
+            out = fn(q, *operands).astype(jnp.float32)
+            return (q.astype(jnp.float32) + 1e-3 * out).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, times, body, q)
+
+    return jax.jit(run)
+
+
+def jaxllm_options(sweep: str) -> list[dict]:
+    if sweep == "launch":
+        return [
+            dict(rows=rows, num_warps=warps, num_stages=stages)
+            for rows in (64, 128)
+            for warps in (4, 8)
+            for stages in (2, 3)
+        ]
+    # {}: the default (num_splits_for: 2 per sequence at G=256, 4 at G=128, 8 at G=64).
+    return (
+        [{}, dict(num_splits=4)]
+        + [dict(split_tiles=tiles) for tiles in (16, 32, 64, 128)]
+        + [dict(split_tiles=64, num_stages=stages) for stages in (3, 4)]
+        + [dict(split_tiles=64, num_warps=8)]
+    )
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):

@@ -139,7 +139,10 @@ def main() -> None:
         "scan_layers; default as the engine's)",
     )
     parser.add_argument(
-        "--fuse-projections", action="store_true", help="EngineConfig.fuse_projections"
+        "--fuse-projections",
+        action=argparse.BooleanOptionalAction,
+        default=gpu,
+        help="EngineConfig.fuse_projections (default as the engine's)",
     )
     args = parser.parse_args()
 
@@ -150,7 +153,9 @@ def main() -> None:
     if args.fuse_projections:
         params = fuse_projections(params)
     config = config.replace(attention_backend=backend)
-    block_size, width = 256, 16
+    # Block tables as wide as the engine's: the power of two of blocks the context needs.
+    block_size = 256
+    width = 1 << (-(-args.context // block_size) - 1).bit_length()
     step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
     sampling = SamplingInputs(

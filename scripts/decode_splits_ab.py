@@ -1,0 +1,50 @@
+"""bench.py with the Pallas decode kernel's key splits chosen by one rule or another, for an A/B
+on the GPU (docs/performance.md): `python scripts/decode_splits_ab.py RULE [bench.py flags]`.
+
+Rules:
+- even: the default (`num_splits_for`), min(16, 512 // G, tiles // 4) programs per sequence,
+  each an equal share of its tiles;
+- fixed: programs of `fixed_split_tiles` tiles each, as many per sequence as its context needs.
+  Faster for one layer of mixed contexts (scripts/attention_kernels.py), slower in bench.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from jaxllm.bench import main
+from jaxllm.model import decode_attention
+
+
+def fixed_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_heads: int) -> int:
+    """About 512 programs when the contexts fill half their tables on average (a power of two,
+    at least 16 tiles, at most a whole table)."""
+    rows = decode_attention.tile_rows(block_size, num_kv_heads)
+    tiles = width * block_size * num_kv_heads // rows
+    wanted = num_sequences * tiles // (2 * 512)
+    return min(tiles, max(16, 1 << max(wanted, 1).bit_length() - 1))
+
+
+def with_fixed_splits(paged_decode_attention):
+    @functools.wraps(paged_decode_attention)
+    def attend(q, key_pool, value_pool, block_tables, context_lens, **options):
+        _, block_size, num_kv_heads, _ = key_pool.shape
+        tiles = fixed_split_tiles(*block_tables.shape, block_size, num_kv_heads)
+        return paged_decode_attention(
+            q, key_pool, value_pool, block_tables, context_lens, split_tiles=tiles, **options
+        )
+
+    return attend
+
+
+if __name__ == "__main__":
+    rule, *flags = sys.argv[1:]
+    if rule == "fixed":
+        decode_attention.paged_decode_attention = with_fixed_splits(
+            decode_attention.paged_decode_attention
+        )
+    elif rule != "even":
+        sys.exit(f"unknown rule {rule!r}: even or fixed")
+    sys.argv = [sys.argv[0], *flags]
+    sys.exit(main())
