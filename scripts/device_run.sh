@@ -62,9 +62,9 @@ for stage in "$@"; do
       rule=${stage#splits-ab:}
       logged "bench-splits-$rule" 25 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
         --json "$OUT/bench-splits-$rule.json" ;;
-    xla:*)  # xla:<flag without --xla_>:<stage>: run a stage with one more XLA flag
+    xla:*)  # xla:<flag without --xla_>:<stage>: a stage with one more XLA flag, $OUT/xla-<flag>/
       IFS=: read -r _ flag rest <<< "$stage"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
+      OUT="$OUT/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;
