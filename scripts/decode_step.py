@@ -100,16 +100,17 @@ def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
         print(f"{total / num_steps * 1e3:8.3f}  {' | '.join(key)[:110]}")
 
 
-def decode_inputs(batch: int, context: int, block_size: int, width: int, num_blocks: int):
-    """A decode step of `batch` sequences of `context` tokens whose blocks are taken in turn from
+def decode_inputs(contexts: np.ndarray, block_size: int, width: int, num_blocks: int):
+    """A decode step of sequences of `contexts` tokens whose blocks are taken in turn from
     `num_blocks` (shared between sequences when there are too few). Each sequence writes its new
     token to a slot of its own, as the model's scatter requires (`kv_cache.write_kv`)."""
-    blocks_per_seq = -(-context // block_size)
+    batch = len(contexts)
+    blocks_per_seq = -(-contexts // block_size)
+    firsts = np.cumsum(blocks_per_seq) - blocks_per_seq
     tables = np.zeros((batch, width), np.int32)
-    for row in range(batch):
-        first = row * blocks_per_seq
-        tables[row, :blocks_per_seq] = (first + np.arange(blocks_per_seq)) % num_blocks
-    positions = np.full(batch, context - 1, np.int32)
+    for row, (first, count) in enumerate(zip(firsts, blocks_per_seq, strict=True)):
+        tables[row, :count] = (first + np.arange(count)) % num_blocks
+    positions = (contexts - 1).astype(np.int32)
     slots = tables[np.arange(batch), positions // block_size] * block_size + positions % block_size
     if len(set(slots.tolist())) < batch:  # shared blocks: write elsewhere, one slot each
         slots = np.arange(batch)
@@ -118,7 +119,7 @@ def decode_inputs(batch: int, context: int, block_size: int, width: int, num_blo
         positions=jnp.asarray(positions),
         slot_mapping=jnp.asarray(slots.astype(np.int32)),
         block_tables=jnp.asarray(tables),
-        context_lens=jnp.full((batch,), context, jnp.int32),
+        context_lens=jnp.asarray(contexts, jnp.int32),
         sample_indices=jnp.arange(batch, dtype=jnp.int32),
     )
 
@@ -128,6 +129,12 @@ def main() -> None:
     parser.add_argument("--model", default="random:qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--min-context",
+        type=int,
+        default=None,
+        help="draw each sequence's context uniformly from [this, --context] (seed 0)",
+    )
     gpu = jax.default_backend() == "gpu"
     parser.add_argument("--attention", default="pallas" if gpu else "reference")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
@@ -156,6 +163,9 @@ def main() -> None:
     # Block tables as wide as the engine's: the power of two of blocks the context needs.
     block_size = 256
     width = 1 << (-(-args.context // block_size) - 1).bit_length()
+    contexts = np.full(args.batch, args.context)
+    if args.min_context is not None:
+        contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)
     step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
     sampling = SamplingInputs(
@@ -178,14 +188,14 @@ def main() -> None:
         return logits
 
     # Every sequence reads the same 64 blocks: the same work on either cache.
-    shared = decode_inputs(args.batch, args.context, block_size, width, 64)
+    shared = decode_inputs(contexts, block_size, width, 64)
     for num_blocks in (64, full_blocks):
         holder = {"cache": allocate_kv_cache(config, num_blocks, block_size)}
         rows.append((f"decode step, {num_blocks} KV blocks", timed(run, shared)))
     # Each sequence its own blocks, as in serving (the 64 shared ones partly sit in L2).
-    if args.batch * -(-args.context // block_size) > full_blocks:
-        raise SystemExit(f"{args.batch} x {args.context} tokens do not fit {full_blocks} blocks")
-    distinct = decode_inputs(args.batch, args.context, block_size, width, full_blocks)
+    if (-(-contexts // block_size)).sum() > full_blocks:
+        raise SystemExit(f"{contexts.sum()} tokens do not fit {full_blocks} blocks")
+    distinct = decode_inputs(contexts, block_size, width, full_blocks)
     rows.append(("decode step, distinct blocks", timed(run, distinct)))
     rows.append(("sampler (temperature 0.6)", timed(sampler, logits, sampling)))
     if args.profile:
@@ -210,11 +220,12 @@ def main() -> None:
         ("sampler (0.6, top_k 20, top_p 0.95)", timed(top_k_sampler, logits, qwen3_recommended))
     )
 
-    kv_bytes = args.batch * args.context * kv_cache_bytes_per_block(config, 1)
+    kv_bytes = int(contexts.sum()) * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     layout = "stacked weights, scan" if is_stacked(params) else "a buffer per layer, loop"
     layout += ", fused q/k/v and gate/up" if is_fused(params) else ""
-    print(f"\n{args.model}, batch {args.batch}, context {args.context}, {backend}, {layout}")
+    span = f"{contexts.min()}-{contexts.max()}" if args.min_context is not None else args.context
+    print(f"\n{args.model}, batch {args.batch}, context {span}, {backend}, {layout}")
     print(f"bytes per step: KV {kv_bytes / 1e9:.2f} GB, weights {weight_bytes / 1e9:.2f} GB")
     print(f"bound at 4.3 TB/s: {(kv_bytes + weight_bytes) / 4.3e12 * 1e3:.2f} ms")
     for name, seconds in rows:

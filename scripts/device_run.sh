@@ -62,6 +62,10 @@ for stage in "$@"; do
       rule=${stage#splits-ab:}
       logged "bench-splits-$rule" 25 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
         --json "$OUT/bench-splits-$rule.json" ;;
+    splits-step:*)  # splits-step:<fixed|even>: decode_step.py, contexts 100-2048, that split rule
+      rule=${stage#splits-step:}
+      logged "decode-step-splits-$rule" 45 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
+        --decode-step --profile --min-context 100 --context 2048 ;;
     xla:*)  # xla:<flag without --xla_>:<stage>: a stage with one more XLA flag, $OUT/xla-<flag>/
       IFS=: read -r _ flag rest <<< "$stage"
       OUT="$OUT/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
