@@ -9,8 +9,8 @@ all of them in one matmul, and each query head keeps only its own kv head's colu
 the wasted multiply-adds are free beside the memory traffic. Long contexts are split over
 several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
 softmax results are merged afterwards. (Programs of a fixed number of tiles, `split_tiles`,
-measured faster for one layer of mixed contexts but 20% slower in bench.py on an H200;
-docs/performance.md.)
+ran faster alone and in a decode step of mixed contexts, but bench.py's throughput fell 18%
+with them on an H200; docs/performance.md.)
 
 Registered as the attention backend "pallas" (decode with this kernel, prefill with FA3).
 
