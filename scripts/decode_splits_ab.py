@@ -1,6 +1,6 @@
-"""bench.py with the Pallas decode kernel's key splits chosen by one rule or another, for an A/B
-on the GPU (docs/performance.md): `python scripts/decode_splits_ab.py RULE [bench.py flags]`, or
-with `--decode-step` first, scripts/decode_step.py and its flags.
+"""A script run with the Pallas decode kernel's key splits chosen by one rule or another, for an
+A/B on the GPU (docs/performance.md): `python scripts/decode_splits_ab.py RULE SCRIPT [flags]`,
+SCRIPT one of bench (scripts/bench.py), decode_step, profile_host, with its own flags.
 
 Rules:
 - even: the default (`num_splits_for`), min(16, 512 // G, tiles // 4) programs per sequence,
@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import sys
 
-from jaxllm import bench
 from jaxllm.model import decode_attention
 
 
@@ -40,12 +39,15 @@ def with_fixed_splits(paged_decode_attention):
 
 
 if __name__ == "__main__":
-    rule, *flags = sys.argv[1:]
-    main = bench.main
-    if flags[:1] == ["--decode-step"]:
+    rule, script, *flags = sys.argv[1:]
+    if script == "bench":
+        from jaxllm.bench import main
+    elif script == "decode_step":
         from decode_step import main  # scripts/decode_step.py
-
-        flags = flags[1:]
+    elif script == "profile_host":
+        from profile_host import main
+    else:
+        sys.exit(f"unknown script {script!r}: bench, decode_step or profile_host")
     if rule == "fixed":
         decode_attention.paged_decode_attention = with_fixed_splits(
             decode_attention.paged_decode_attention

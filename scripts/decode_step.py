@@ -75,6 +75,15 @@ def kernel_seconds(trace_dir: str) -> dict[tuple[str, str, str], float]:
     return seconds
 
 
+def by_kind(seconds: dict[tuple[str, str, str], float]) -> dict[str, float]:
+    """`kernel_seconds` summed by kind (KINDS, else "rest (fusions)")."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for key, total in seconds.items():
+        text = " | ".join(key)
+        totals[next((k for k, pattern in KINDS if pattern.search(text)), "rest (fusions)")] += total
+    return totals
+
+
 def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
     """Traces `num_steps` of `run()` then `sampler()`; prints device time per step by kind."""
     jax.block_until_ready((run(), sampler()))
@@ -83,15 +92,11 @@ def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
         for _ in range(num_steps):
             jax.block_until_ready((run(), sampler()))
     seconds = kernel_seconds(trace_dir)
-    by_kind: dict[str, float] = collections.defaultdict(float)
-    for key, total in seconds.items():
-        text = " | ".join(key)
-        kind = next((k for k, pattern in KINDS if pattern.search(text)), "rest (fusions)")
-        by_kind[kind] += total / num_steps
+    kinds = {kind: total / num_steps for kind, total in by_kind(seconds).items()}
     print(f"\ndevice time per step (model + sampler), {num_steps} traced steps")
-    for kind, total in sorted(by_kind.items(), key=lambda item: -item[1]):
+    for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
         print(f"{kind:40s} {total * 1e3:8.3f} ms")
-    busy = sum(by_kind.values())
+    busy = sum(kinds.values())
     print(f"{'all kernels':40s} {busy * 1e3:8.3f} ms")
     gaps = (step_seconds - busy) * 1e3
     print(f"{'timed step + sampler, less kernels (gaps)':40s} {gaps:8.3f} ms")

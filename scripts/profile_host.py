@@ -1,9 +1,13 @@
 """Where the engine's wall time goes during the benchmark: `python scripts/profile_host.py`.
 
-Runs bench.py's workload (nano-vllm's, 256 sequences) under cProfile after a warm-up and prints
-the functions with the most own time and the most cumulative time. Time spent waiting for the
-device shows under the call that reads the sampled tokens (`Engine._apply_in_flight` ->
-`numpy.asarray`); the rest of `Engine.step` is host work.
+Runs bench.py's workload (nano-vllm's, 256 sequences) after a warm-up, and either
+- profiles the host with cProfile (the default) and prints the functions with the most own time
+  and the most cumulative time. Time spent waiting for the device shows under the call that
+  reads the sampled tokens (`Engine._apply_in_flight` -> `numpy.asarray`); the rest of
+  `Engine.step` is host work; or
+- with `--device`, traces the device with JAX's profiler and prints its kernel time by kind
+  (as `decode_step.py --profile`) against the wall time: what the device did over the whole
+  run, and how long it sat idle. Tracing slows kernels a little; compare runs with each other.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import tempfile
 import time
+
+import jax
+from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench import workload
@@ -22,11 +30,15 @@ def main() -> None:
     parser.add_argument("--model", default="random:qwen3-0.6b")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--device", action="store_true", help="trace the device, not the host")
     args = parser.parse_args()
     llm = LLM(args.model, attention_backend=args.attention)
     prompts, max_tokens = workload(args.num_seqs, 1024, 1024)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
+    if args.device:
+        trace_device(llm, prompts, params)
+        return
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -36,6 +48,21 @@ def main() -> None:
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(30)
+
+
+def trace_device(llm: LLM, prompts, params) -> None:
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    kinds = by_kind(kernel_seconds(trace_dir))
+    print(f"\ndevice time over the run (s), wall {wall:.2f} s under the tracer")
+    for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
+        print(f"{kind:40s} {total:8.3f}")
+    busy = sum(kinds.values())
+    print(f"{'all kernels':40s} {busy:8.3f}")
+    print(f"{'idle (wall less kernels)':40s} {wall - busy:8.3f}")
 
 
 if __name__ == "__main__":
