@@ -6,7 +6,8 @@ Rules:
 - even: the default (`num_splits_for`), min(16, 512 // G, tiles // 4) programs per sequence,
   each an equal share of its tiles;
 - fixed: programs of `fixed_split_tiles` tiles each, as many per sequence as its context needs.
-  Faster for one layer of mixed contexts (scripts/attention_kernels.py), slower in bench.py.
+  Faster for one layer (scripts/attention_kernels.py) and for a decode step (decode_step.py
+  --min-context) of mixed contexts, slower in bench.py (not understood: docs/performance.md).
 """
 
 from __future__ import annotations
