@@ -2,7 +2,8 @@
 
 One layer of decode attention, 16 query / 8 kv heads of 128, bf16, each sequence's pages
 scattered over the pool, for several batch x context cases (a context "LO-HI": each
-sequence's drawn uniformly; block tables as wide as the engine's, a power of two):
+sequence's drawn uniformly; block tables `--table-width` blocks wide, by default 16 as in the
+engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
 - jaxllm's Pallas decode kernel (`jaxllm.model.decode_attention`), same layout, over its key
   splits (`--sweep splits`, the default) or its tiles and Triton launch settings (`launch`);
@@ -50,6 +51,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=cases, help="batch x context[-max]")
     parser.add_argument("--sweep", choices=["splits", "launch"], default="splits")
     parser.add_argument("--repeat", type=int, default=28, help="calls per timed run")
+    parser.add_argument(
+        "--table-width", type=int, default=16, help="blocks; 0: the power of two a case needs"
+    )
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     args = parser.parse_args()
@@ -69,7 +73,8 @@ def main() -> None:
             per_seq = context // page
             # Scatter: page j of sequence b sits at a random place in the pool.
             order = rng.permutation(batch * per_seq).astype(np.int32)
-            tables = np.zeros((batch, 1 << (per_seq - 1).bit_length()), np.int32)
+            width = args.table_width or 1 << (per_seq - 1).bit_length()
+            tables = np.zeros((batch, max(width, per_seq)), np.int32)
             tables[:, :per_seq] = order.reshape(batch, per_seq)
             pool_shape = (batch * per_seq, page, KV_HEADS, DIM)
             k_pool = (

