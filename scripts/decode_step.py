@@ -143,6 +143,7 @@ def main() -> None:
     )
     gpu = jax.default_backend() == "gpu"
     parser.add_argument("--attention", default="pallas" if gpu else "reference")
+    parser.add_argument("--table-width", type=int, default=None, help="default: the engine's")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
     parser.add_argument(
         "--layers",
@@ -172,6 +173,7 @@ def main() -> None:
     width = 1 << (-(-args.context // block_size) - 1).bit_length()
     if backend == "flash" or (backend == "pallas" and flash_available()):
         width = max(width, 4096 // block_size)
+    width = args.table_width or width
     contexts = np.full(args.batch, args.context)
     if args.min_context is not None:
         contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)
