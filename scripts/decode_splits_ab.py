@@ -22,21 +22,25 @@ import sys
 from jaxllm.model import decode_attention
 
 
-def fixed_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_heads: int) -> int:
-    """About 512 programs when the contexts fill half their tables on average (a power of two,
-    at least 16 tiles, at most a whole table)."""
-    rows = decode_attention.tile_rows(block_size, num_kv_heads)
-    tiles = width * block_size * num_kv_heads // rows
-    wanted = num_sequences * tiles // (2 * 512)
+def table_tiles(width: int, block_size: int, num_kv_heads: int) -> int:
+    """Tiles of the kernel's tile (`decode_attention.tile_rows`) in a table of `width` blocks."""
+    return width * block_size * num_kv_heads // decode_attention.tile_rows(block_size, num_kv_heads)
+
+
+def power_of_two_tiles(wanted: int, tiles: int) -> int:
+    """The power of two at most `wanted`, at least 16 tiles, at most `tiles` (a whole table)."""
     return min(tiles, max(16, 1 << max(wanted, 1).bit_length() - 1))
 
 
+def fixed_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_heads: int) -> int:
+    """About 512 programs when the contexts fill half their tables on average."""
+    tiles = table_tiles(width, block_size, num_kv_heads)
+    return power_of_two_tiles(num_sequences * tiles // (2 * 512), tiles)
+
+
 def per_batch_split_tiles(num_sequences: int, width: int, block_size: int, num_kv_heads: int):
-    """G / 4 tiles (a power of two, at least 16, at most a whole table): 512 programs when the
-    contexts average 1,024 tokens (128 tiles of 8 tokens)."""
-    rows = decode_attention.tile_rows(block_size, num_kv_heads)
-    tiles = width * block_size * num_kv_heads // rows
-    return min(tiles, max(16, 1 << max(num_sequences // 4, 1).bit_length() - 1))
+    """G / 4 tiles: 512 programs when the contexts average 1,024 tokens (128 tiles of 8)."""
+    return power_of_two_tiles(num_sequences // 4, table_tiles(width, block_size, num_kv_heads))
 
 
 def with_split_tiles(paged_decode_attention, split_tiles_for):
