@@ -44,7 +44,8 @@ class EngineConfig:
             without XLA's per-step weight concatenation (layouts.fuse_projections; 1-2% faster
             decode steps on an H200, docs/performance.md); None: fused on a GPU, not on a CPU
             (where the separate weights compile faster and give the same results).
-        compile_at_startup: compile every bucket of the ladder before serving.
+        compile_at_startup: compile every bucket of the ladder before serving, and run each
+            executable once (`ModelRunner.warm_up`).
         compilation_cache_dir: JAX's persistent compilation cache; "" turns it off.
     """
 

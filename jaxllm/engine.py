@@ -183,6 +183,8 @@ class Engine:
         if config.compile_at_startup:
             with phase("compile"):
                 self.runner.compile(self.batch_builder.ladder.all_shapes())
+            with phase("warm up"):
+                self.runner.warm_up()
         self.compilations_at_startup = COMPILATIONS.count
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}

@@ -59,10 +59,15 @@ KINDS = (
 
 def kernel_seconds(trace_dir: str) -> dict[tuple[str, str, str], float]:
     """Device time of a trace's kernels, by (kernel name, hlo op, hlo module)."""
+    return {key: sum(durations) for key, durations in kernel_durations(trace_dir).items()}
+
+
+def kernel_durations(trace_dir: str) -> dict[tuple[str, str, str], list[float]]:
+    """Each run of a trace's kernels (seconds), by (kernel name, hlo op, hlo module)."""
     from jax.profiler import ProfileData
 
     [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    seconds: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    durations: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -72,8 +77,8 @@ def kernel_seconds(trace_dir: str) -> dict[tuple[str, str, str], float]:
             for event in line.events:
                 stats = dict(event.stats)
                 key = (event.name, str(stats.get("hlo_op", "")), str(stats.get("hlo_module", "")))
-                seconds[key] += event.duration_ns * 1e-9
-    return seconds
+                durations[key].append(event.duration_ns * 1e-9)
+    return durations
 
 
 def by_kind(seconds: dict[tuple[str, str, str], float]) -> dict[str, float]:
@@ -92,7 +97,8 @@ def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
     with jax.profiler.trace(trace_dir):
         for _ in range(num_steps):
             jax.block_until_ready((run(), sampler()))
-    seconds = kernel_seconds(trace_dir)
+    durations = kernel_durations(trace_dir)
+    seconds = {key: sum(runs) for key, runs in durations.items()}
     kinds = {kind: total / num_steps for kind, total in by_kind(seconds).items()}
     print(f"\ndevice time per step (model + sampler), {num_steps} traced steps")
     for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
@@ -101,9 +107,11 @@ def profile(run, sampler, num_steps: int, step_seconds: float) -> None:
     print(f"{'all kernels':40s} {busy * 1e3:8.3f} ms")
     gaps = (step_seconds - busy) * 1e3
     print(f"{'timed step + sampler, less kernels (gaps)':40s} {gaps:8.3f} ms")
-    print("\nlargest kernels (ms per step): name | hlo op | hlo module")
-    for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:15]:
-        print(f"{total / num_steps * 1e3:8.3f}  {' | '.join(key)[:110]}")
+    print("\nlargest kernels: ms per step, runs per step, us per run | name | hlo op | module")
+    for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:25]:
+        runs = len(durations[key])
+        per_step, per_run = total / num_steps * 1e3, total / runs * 1e6
+        print(f"{per_step:8.3f} {runs / num_steps:6.1f} {per_run:8.1f}  {' | '.join(key)[:100]}")
 
 
 def decode_inputs(contexts: np.ndarray, block_size: int, width: int, num_blocks: int):

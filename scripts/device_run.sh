@@ -5,6 +5,7 @@
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
+#   bash scripts/device_run.sh decode-step-hlo    # decode-step and its steps' optimised HLO
 #   bash scripts/device_run.sh splits-ab:per-batch splits-trace:even  # decode_splits_ab.py rules
 #   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
 #   bash scripts/device_run.sh decode-step-unfused:qwen3-0.6b bench-unfused:qwen3-0.6b:1  # apart
@@ -41,6 +42,11 @@ for stage in "$@"; do
     bench-8b) logged "$stage" 30 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
       --json "$OUT/$stage.json" ;;
     decode-step) logged "$stage" 45 $ONE_GPU python3 scripts/decode_step.py --profile ;;
+    decode-step-hlo)  # decode-step, with the optimised HLO of its steps in $OUT/decode-step-hlo.tgz
+      rm -rf /tmp/hlo
+      logged "$stage" 45 $ONE_GPU XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo \
+        --xla_dump_hlo_module_re=jit_forward" python3 scripts/decode_step.py --profile
+      tar czf "$OUT/$stage.tgz" -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
     decode-step:*) logged "decode-step-${stage#decode-step:}" 45 $ONE_GPU python3 \
       scripts/decode_step.py --profile --model "random:${stage#decode-step:}" ;;
     decode-step-scan:*) logged "decode-step-scan-${stage#decode-step-scan:}" 45 $ONE_GPU python3 \

@@ -163,7 +163,15 @@ def _layer_function(
 # needed 2x the cache and recomputed matmuls on every step (buffer assignment does update the
 # cache in place). The engine sizes the cache after measuring the step's own scratch
 # (`runner.step_scratch_bytes`).
-COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# NOTE: and no split-K GEMMs. At a decode step's few rows XLA:GPU's autotuner split o_proj's and
+# down_proj's contraction 8 ways, each split writing float32 partial sums that a kernel of its own
+# then added up (4.4 us per projection on an H200, about as long as the GEMM); unsplit, cuBLAS
+# takes them and a 0.6B decode step at batch 256 spends 0.23 ms less on the device
+# (docs/performance.md). Other backends ignore the option.
+COMPILER_OPTIONS = {
+    "xla_disable_hlo_passes": "rematerialization",
+    "xla_gpu_experimental_force_split_k": 1,
+}
 
 
 def forward(

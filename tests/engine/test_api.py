@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -191,8 +192,42 @@ def test_startup_phases_account_for_the_compile(checkpoint):
         "size the KV cache",
         "allocate the KV cache",
         "compile",
+        "warm up",
     ]
     assert llm.compile_seconds == phases["compile"] > 0
     assert sum(phases.values()) <= elapsed
     assert llm.num_executables > 0 and llm.num_compilations_since_startup == 0
     assert llm.scan_layers is True  # the CPU's default
+
+
+def test_warm_up_runs_every_executable_once_and_writes_nothing(checkpoint):
+    settings = BASE_SETTINGS | {
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 32,
+        "compile_at_startup": True,
+    }
+    llm = LLM(checkpoint.path, **settings)
+    runner = llm.engine.runner
+    runs = []
+
+    def counted(key, executable):
+        def run(*args):
+            runs.append(key)
+            return executable(*args)
+
+        return run
+
+    for executables in (runner._forward_executables, runner._sample_executables):
+        for key, executable in executables.items():
+            executables[key] = counted(key, executable)
+
+    runner.warm_up()  # again: start-up ran it once already
+
+    assert sorted(map(str, runs)) == sorted(
+        map(str, [*runner._forward_executables, *runner._sample_executables])
+    )
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(runner.kv_cache))
+    prompt = [5, 6, 7, 8, 9]
+    (output,) = llm.generate([prompt], greedy_params(8), use_tqdm=False)
+    assert output.token_ids == checkpoint.greedy(prompt, 8)
+    assert llm.num_compilations_since_startup == 0
