@@ -11,7 +11,8 @@ Rules:
   are 16 wide (docs/performance.md): the rule reads the width, so the benchmark's programs were
   twice as large;
 - per-batch: programs of `per_batch_split_tiles` tiles, from the batch size alone (the best
-  sizes of scripts/attention_kernels.py's sweep at 64, 128 and 256 sequences); not yet run.
+  sizes of scripts/attention_kernels.py's sweep at 64, 128 and 256 sequences). In bench.py its
+  decode steps were no faster than the even split's (6.07 vs 6.09 ms, docs/performance.md).
 """
 
 from __future__ import annotations

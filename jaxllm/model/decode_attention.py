@@ -10,7 +10,8 @@ the wasted multiply-adds are free beside the memory traffic. Long contexts are s
 several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
 softmax results are merged afterwards. (Programs of a fixed number of tiles, `split_tiles`,
 ran faster alone and in a decode step of mixed contexts, but bench.py's throughput fell 18%
-with them on an H200, sized then from the engine's 16-block-wide tables; docs/performance.md.)
+with them on an H200, sized then from the engine's 16-block-wide tables; sized from the batch
+alone they were no faster there than the even split; docs/performance.md.)
 
 Registered as the attention backend "pallas" (decode with this kernel, prefill with FA3).
 
