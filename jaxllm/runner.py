@@ -332,7 +332,7 @@ class ModelRunner:
         The first run of an executable pays for loading its kernels and building its CUDA
         command buffers; without a warm-up that falls on the first requests' steps (vLLM
         captures its CUDA graphs at start-up for the same reason). On an H200 it took 0.7-0.9 s
-        and made bench.py 3-5% faster: prefill 457k tokens/s (was 280-430k, slowest when the
+        and made bench.py about 4% faster: prefill 457k tokens/s (was 280-430k, slowest when the
         executables came from the persistent cache) and decode steps 5.96 ms (was 6.16 ms);
         docs/performance.md.
         Padding rows write nothing (slot -1) and padding tiles attend to nothing (context 0),
@@ -351,12 +351,11 @@ class ModelRunner:
             logits_by_rows[shape.num_sampled] = logits
         results = [self.kv_cache]
         for (num_rows, _), executable in self._sample_executables.items():
-            if num_rows in logits_by_rows:
-                greedy = SamplingInputs.from_params([], [], num_rows=num_rows)
-                sampling = pack(sampling_layout(num_rows), vars(greedy))
-                if jax.process_count() > 1:
-                    sampling = self._global(sampling)
-                results.append(executable(logits_by_rows[num_rows], sampling))
+            greedy = SamplingInputs.from_params([], [], num_rows=num_rows)
+            sampling = pack(sampling_layout(num_rows), vars(greedy))
+            if jax.process_count() > 1:
+                sampling = self._global(sampling)
+            results.append(executable(logits_by_rows[num_rows], sampling))
         jax.block_until_ready(results)
 
     def execute(

@@ -166,8 +166,8 @@ def _layer_function(
 # NOTE: and no split-K GEMMs. At a decode step's few rows XLA:GPU's autotuner split o_proj's and
 # down_proj's contraction 8 ways, each split writing float32 partial sums that a kernel of its own
 # then added up (4.4 us per projection on an H200, about as long as the GEMM); unsplit, cuBLAS
-# takes them and a 0.6B decode step at batch 256 spends 0.23 ms less on the device
-# (docs/performance.md). Other backends ignore the option.
+# takes them and a 0.6B decode step at batch 256 spends 0.1-0.2 ms less on the device outside
+# attention (docs/performance.md). Other backends ignore the option.
 COMPILER_OPTIONS = {
     "xla_disable_hlo_passes": "rematerialization",
     "xla_gpu_experimental_force_split_k": 1,
