@@ -331,10 +331,9 @@ class ModelRunner:
 
         The first run of an executable pays for loading its kernels and building its CUDA
         command buffers; without a warm-up that falls on the first requests' steps (vLLM
-        captures its CUDA graphs at start-up for the same reason). On an H200 it took 0.7-0.9 s
-        and made bench.py about 4% faster: prefill 457k tokens/s (was 280-430k, slowest when the
-        executables came from the persistent cache) and decode steps 5.96 ms (was 6.16 ms);
-        docs/performance.md.
+        captures its CUDA graphs at start-up for the same reason). On an H200 it takes 0.7-0.9 s;
+        without it bench.py's prefill (its first 0.3 s) ran at 280-430k tokens/s instead of
+        457k, slowest when the executables came from the persistent cache (docs/performance.md).
         Padding rows write nothing (slot -1) and padding tiles attend to nothing (context 0),
         as in every padded step, so the cache is left as it was.
         """
