@@ -94,7 +94,7 @@ class LLM:
     @property
     def startup_seconds(self) -> dict[str, float]:
         """Seconds of each start-up phase: loading weights, the tokenizer, sizing and
-        allocating the KV cache, compiling."""
+        allocating the KV cache, compiling, warming up."""
         return dict(self.engine.startup_seconds)
 
     @property

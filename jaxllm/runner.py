@@ -338,23 +338,16 @@ class ModelRunner:
         as in every padded step, so the cache is left as it was.
         """
         logits_by_rows = {}
-        for shape, executable in self._forward_executables.items():
+        for shape in self._forward_executables:
             padding = {
                 name: np.full(dims, -1 if name in ("slot_mapping", "source_rows") else 0, dtype)
                 for name, dims, dtype in model_layout(shape)
             }
-            inputs = pack(model_layout(shape), padding)
-            if jax.process_count() > 1:
-                inputs = self._global(inputs)
-            logits, self.kv_cache = executable(self.params, self.kv_cache, inputs, self._no_tokens)
-            logits_by_rows[shape.num_sampled] = logits
+            logits_by_rows[shape.num_sampled] = self._run_forward(shape, padding, self._no_tokens)
         results = [self.kv_cache]
-        for (num_rows, _), executable in self._sample_executables.items():
-            greedy = SamplingInputs.from_params([], [], num_rows=num_rows)
-            sampling = pack(sampling_layout(num_rows), vars(greedy))
-            if jax.process_count() > 1:
-                sampling = self._global(sampling)
-            results.append(executable(logits_by_rows[num_rows], sampling))
+        for num_rows, mode in self._sample_executables:
+            greedy = vars(SamplingInputs.from_params([], [], num_rows=num_rows))
+            results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
         jax.block_until_ready(results)
 
     def execute(
@@ -387,7 +380,8 @@ class ModelRunner:
             previous_tokens = self._no_tokens
         if source_rows is None:
             source_rows = np.full(shape.num_tokens, -1, np.int32)
-        inputs = pack(model_layout(shape), batch.model_inputs() | {"source_rows": source_rows})
+        model_arrays = batch.model_inputs() | {"source_rows": source_rows}
+        logits = self._run_forward(shape, model_arrays, previous_tokens)
         sampling_arrays = {
             "temperature": batch.temperature,
             "top_k": batch.top_k,
@@ -396,13 +390,29 @@ class ModelRunner:
             "seeds": batch.seeds,
             "steps": batch.sample_steps,
         }
-        sampling = pack(sampling_layout(shape.num_sampled), sampling_arrays)
+        return self._run_sampler(shape.num_sampled, mode, logits, sampling_arrays)
+
+    def _run_forward(
+        self, shape: BucketShape, arrays: Mapping[str, np.ndarray], previous_tokens: jax.Array
+    ) -> jax.Array:
+        """Dispatches the bucket's model step on `arrays` (`model_layout`); returns its logits
+        and keeps the step's updated cache."""
+        inputs = pack(model_layout(shape), arrays)
         if jax.process_count() > 1:
-            inputs, sampling = self._global(inputs), self._global(sampling)
+            inputs = self._global(inputs)
         logits, self.kv_cache = self._forward_executables[shape](
             self.params, self.kv_cache, inputs, previous_tokens
         )
-        return self._sample_executables[shape.num_sampled, mode](logits, sampling)
+        return logits
+
+    def _run_sampler(
+        self, num_rows: int, mode: str, logits: jax.Array, arrays: Mapping[str, np.ndarray]
+    ) -> jax.Array:
+        """Dispatches the sampler of `num_rows` rows in `mode` on `arrays` (`sampling_layout`)."""
+        sampling = pack(sampling_layout(num_rows), arrays)
+        if jax.process_count() > 1:
+            sampling = self._global(sampling)
+        return self._sample_executables[num_rows, mode](logits, sampling)
 
     def _global(self, tree: Any) -> Any:
         """Host arrays (equal in every process) as global arrays replicated over the mesh."""
