@@ -101,7 +101,7 @@ class Qwen3ForCausalLM(nn.Module):
         dtype = c.jnp_dtype
         vocab = c.vocab_size // tp
         embed = self.param("embed", sharded(("vocab", "embed")), (vocab, c.hidden_size), dtype)
-        x = embed_tokens(embed, inputs.token_ids, tp)  # [T, D]
+        x = embed_tokens(embed, inputs.token_ids, tp).astype(jnp.float32)  # [T, D] (DecoderLayer)
         cos, sin = rotary_cos_sin(inputs.positions, c.head_dim, c.rope_theta)  # [T, H] each
 
         if self.scan_layers:

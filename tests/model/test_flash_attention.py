@@ -88,10 +88,10 @@ def test_fast_model_logits_match_reference_in_bfloat16(num_layers, backend):
     """Logits of the qwen3-0.6b shape (random weights, bf16): a fast backend ("flash", or
     "pallas": jaxllm's decode kernel, prefill on FA3) vs the portable backend.
 
-    Both are compared with the float32 logits of the same weights: flash must be as close to
-    them as the portable bf16 path is. On the H200 (2026-11-30), over 4 layers: flash-ref 1.04e-2,
-    flash-f32 1.04e-2, ref-f32 1.03e-2; random bf16 weights alone put both backends about 1e-2
-    from float32, so the direct bound is that noise floor plus a margin (1.5e-2).
+    The fast logits are within 1e-2 (relative) of the portable ones, and as close to the float32
+    logits of the same weights as the portable bf16 path is. Before the residual stream was
+    float32 (layers.DecoderLayer), any two kernels' logits were about 1.04e-2 apart over 4 layers
+    (H200, 2026-11-30), the bf16 noise floor of this model.
     """
     from jaxllm.model.config import PRESETS
     from jaxllm.model.qwen3 import init_params
@@ -141,8 +141,7 @@ def test_fast_model_logits_match_reference_in_bfloat16(num_layers, backend):
     report = f"{backend}-ref {fast_vs_reference}, {backend}-f32 {fast_vs_f32}, "
     report += f"ref-f32 {reference_vs_f32}"
     print(f"{num_layers} layers: {report}")
-    if num_layers == 4:
-        assert max(fast_vs_reference) < 1.5e-2, report
+    assert max(fast_vs_reference) <= 1e-2, report
     for fast, reference in zip(fast_vs_f32, reference_vs_f32, strict=True):
         assert fast < 1.25 * reference, report
 
