@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model import qkv_kernel
 from jaxllm.model.attention import get_attention_backend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
@@ -71,6 +72,17 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale * x32.astype(self.dtype)
+
+
+class NormScale(nn.Module):
+    """An RMSNorm's scale alone (the same param), for a kernel that applies the norm itself."""
+
+    dtype: jnp.dtype
+    axis: str = "embed"
+
+    @nn.compact
+    def __call__(self, size: int) -> jax.Array:
+        return self.param("scale", sharded((self.axis,), nn.initializers.ones), (size,), self.dtype)
 
 
 def rotary_cos_sin(
@@ -138,12 +150,27 @@ class Attention(nn.Module):
             keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
             values = jnp.einsum("TD,DKH->TKH", x, v_proj)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-        q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
-        keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
-        q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
-
-        # NOTE: write first, so a chunk's tokens see each other through the cache.
-        kv_cache = write_kv(kv_cache, layer, keys, values, inputs.slot_mapping)
+        if self.fused and self._one_kernel(inputs, n, k, h):
+            q_scale = NormScale(dtype, "head_dim", name="q_norm")(h)
+            k_scale = NormScale(dtype, "head_dim", name="k_norm")(h)
+            q, kv_cache = qkv_kernel.norm_rope_write(
+                qkv,
+                q_scale,
+                k_scale,
+                cos,
+                sin,
+                kv_cache,
+                layer,
+                inputs.slot_mapping,
+                eps=c.rms_norm_eps,
+                interpret=jax.default_backend() != "gpu",
+            )
+        else:
+            q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
+            keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
+            q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
+            # NOTE: write first, so a chunk's tokens see each other through the cache.
+            kv_cache = write_kv(kv_cache, layer, keys, values, inputs.slot_mapping)
         # NOTE: the backends see every layer's blocks as one pool; this layer's blocks are
         # offset by layer * NB (see kv_cache.py), so nothing of the cache is sliced or copied.
         key_pool, value_pool = kv_cache.layer_views()  # [L * NB, BS, K, H] each
@@ -155,6 +182,16 @@ class Attention(nn.Module):
         # this device's heads' share
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
+
+    def _one_kernel(self, inputs: ModelInputs, num_heads: int, num_kv_heads: int, head_dim: int):
+        """Whether q/k norms, rotary embedding and the cache write run as one kernel
+        (qkv_kernel.py): in the "pallas" backend's decode steps (one-token tiles), where XLA
+        runs them as six small kernels per layer."""
+        return (
+            self.config.attention_backend == "pallas"
+            and inputs.tile_size == 1
+            and qkv_kernel.kernel_fits(num_kv_heads, num_heads // num_kv_heads, head_dim)
+        )
 
 
 class MLP(nn.Module):

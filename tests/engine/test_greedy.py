@@ -20,6 +20,8 @@ SCHEDULES = {
     "preemption": {"num_kvcache_blocks": 32, "eviction_policy": "mru"},
     # Decode through jaxllm's Pallas kernel (interpreted on a CPU).
     "pallas-decode": {"attention_backend": "pallas"},
+    # ... with q/k/v fused: q/k norms, rotary and the cache write in one kernel too.
+    "pallas-decode-fused": {"attention_backend": "pallas", "fuse_projections": True},
 }
 
 

@@ -177,10 +177,14 @@ def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
     check_greedy_tokens_and_shards(checkpoint_tp8, 8, TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM)
 
 
-def test_pallas_decode_kernel_under_the_mesh(checkpoint):
-    """The "pallas" backend at TP=2: its kernel (interpreted on a CPU) under shard_map, the step
-    lowered for the GSPMD partitioner as on a GPU (`sharding.partitioner_for`)."""
-    check_greedy_tokens_and_shards(checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas")
+@pytest.mark.parametrize("fuse_projections", [False, True], ids=["apart", "fused"])
+def test_pallas_decode_kernel_under_the_mesh(checkpoint, fuse_projections):
+    """The "pallas" backend at TP=2: its kernels (interpreted on a CPU; with fused q/k/v, the
+    q/k norm, rotary and cache-write kernel too) under shard_map, the step lowered for the GSPMD
+    partitioner as on a GPU (`sharding.partitioner_for`)."""
+    check_greedy_tokens_and_shards(
+        checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas", fuse_projections=fuse_projections
+    )
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_at_construction():
