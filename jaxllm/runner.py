@@ -280,7 +280,9 @@ class ModelRunner:
 
     def sampler_mode(self, batch: BatchDescriptor) -> str:
         """The sampler variant the step of `batch` runs (chosen on the host)."""
-        return sampler_mode(batch.temperature, batch.top_k, batch.top_p, self.config.vocab_size)
+        return sampler_mode(
+            batch.temperature, batch.top_k, batch.top_p, batch.min_p, self.config.vocab_size
+        )
 
     def compile(
         self,

@@ -11,12 +11,13 @@ The random draw is Gumbel-max over the whole vocabulary with noise from a key de
 its row index or the batch size.
 
 The host picks one of four variants per step (`sampler_mode`), compiled separately: "greedy"
-(all rows greedy: an argmax), "random" (no row filters by top-k/top-p), "top-k" (the rows that
-filter keep at most 256 tokens by top-k) and "filtered" (the general case, which may need a full
-sort). The choice is made on the host, not with `lax.cond` on device values: outside
-CUDA graphs, XLA:GPU copies a conditional's predicate to the host and waits for it, which holds
-the dispatching thread until the device has finished everything queued before (the model's
-step) and so keeps the engine from preparing the next step meanwhile.
+(all rows greedy: an argmax), "random" (no row filters by top-k, top-p or min-p: one pass over
+the logits), "top-k" (the rows that filter keep at most 256 tokens by top-k) and "filtered"
+(the general case, which may need a full sort). The choice is made on the host, not with
+`lax.cond` on device values: outside CUDA graphs, XLA:GPU copies a conditional's predicate to
+the host and waits for it, which holds the dispatching thread until the device has finished
+everything queued before (the model's step) and so keeps the engine from preparing the next
+step meanwhile.
 
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
@@ -107,21 +108,25 @@ def fold_seed(seed: int) -> np.uint32:
 
 
 def sampler_mode(
-    temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab_size: int
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    vocab_size: int,
 ) -> str:
     """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
 
-    "greedy" when every row is greedy; "random" when no random row filters by top-k or top-p;
-    "top-k" when every random row that filters keeps at most `NUM_CANDIDATE_BLOCKS` tokens by
-    top-k (whatever its top-p; Qwen3's recommended top_k=20, top_p=0.95 is such a row); else
-    "filtered".
+    "greedy" when every row is greedy; "random" when no random row filters (by top-k, top-p or
+    min-p); "top-k" when every random row that filters keeps at most `NUM_CANDIDATE_BLOCKS`
+    tokens by top-k (whatever its top-p and min-p; Qwen3's recommended top_k=20, top_p=0.95 is
+    such a row); else "filtered".
     """
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
         return "greedy"
     top_k = np.asarray(top_k)
     top_k = np.where(top_k >= vocab_size, 0, top_k)
-    filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0))
+    filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0))
     if not filtering.any():
         return "random"
     small_k = (top_k >= 1) & (top_k <= NUM_CANDIDATE_BLOCKS)
@@ -160,32 +165,34 @@ def sample(
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
     scaled = logits / temperature[:, None]  # [S, V]
     vocab_size = scaled.shape[-1]
+    noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
+    if mode == "random":
+        # NOTE: one pass over the logits. Greedy rows (scaled by 1) get no noise, so their
+        # argmax is the greedy token; `greedy_tokens` above is then unused and not computed.
+        noise = jnp.where(is_greedy[:, None], 0.0, noise)
+        return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     row_max = jnp.max(scaled, axis=-1)  # [S]
     ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
-    if mode in ("top-k", "filtered"):
-        # NOTE: greedy rows switch their filters off, so they never cost a sort.
-        top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
-        top_k = jnp.maximum(top_k, 0)
-        top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
-        filtered = (top_k > 0) | (top_p < 1.0)
-        threshold = _top_k_top_p_threshold(
-            scaled,
-            ratio,
-            row_max,
-            top_k,
-            top_p,
-            filtered,
-            candidate_block_size,
-            num_candidate_blocks,
-            fallback=mode == "filtered",
-        )
-    else:
-        threshold = jnp.full_like(row_max, -jnp.inf)
+    # NOTE: greedy rows switch their filters off, so they never cost a sort.
+    top_k = jnp.where(is_greedy | (inputs.top_k >= vocab_size), 0, inputs.top_k)
+    top_k = jnp.maximum(top_k, 0)
+    top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
+    filtered = (top_k > 0) | (top_p < 1.0)
+    threshold = _top_k_top_p_threshold(
+        scaled,
+        ratio,
+        row_max,
+        top_k,
+        top_p,
+        filtered,
+        candidate_block_size,
+        num_candidate_blocks,
+        fallback=mode == "filtered",
+    )
     keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
     # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
     # it may round below a min_p near 1); without it a row could keep nothing.
     keep = keep | (jnp.arange(vocab_size)[None, :] == greedy_tokens[:, None])
-    noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
     sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
     return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
 

@@ -227,10 +227,9 @@ def test_from_params_pads_with_greedy_rows():
 
 
 def test_the_host_picks_the_cheapest_exact_sampler():
-    def mode(temperature, top_k=0, top_p=1.0, rows=3):
-        return sampler_mode(
-            np.full(rows, temperature), np.full(rows, top_k), np.full(rows, top_p), 1000
-        )
+    def mode(temperature, top_k=0, top_p=1.0, min_p=0.0, rows=3):
+        settings = (temperature, top_k, top_p, min_p)
+        return sampler_mode(*(np.full(rows, value) for value in settings), 1000)
 
     assert mode(0.0) == "greedy"
     assert mode(0.0, top_k=5, top_p=0.5) == "greedy"  # greedy rows ignore their filters
@@ -240,10 +239,17 @@ def test_the_host_picks_the_cheapest_exact_sampler():
     assert mode(0.7, top_k=20, top_p=0.95) == "top-k"  # Qwen3's recommended settings
     assert mode(0.7, top_k=300) == "filtered"  # beyond the 256 candidate blocks
     assert mode(0.7, top_p=0.9) == "filtered"
-    temperature = np.array([0.0, 0.8, 0.8])
-    greedy_and_random = sampler_mode(temperature[:2], np.array([5, 0]), np.ones(2), 1000)
+    assert mode(0.7, min_p=0.1) == "filtered"
+    assert mode(0.7, top_k=20, min_p=0.1) == "top-k"
+    assert mode(0.0, min_p=0.1) == "greedy"
+    temperature, no_min_p = np.array([0.0, 0.8, 0.8]), np.zeros(3)
+    greedy_and_random = sampler_mode(
+        temperature[:2], np.array([5, 0]), np.ones(2), np.array([0.5, 0.0]), 1000
+    )
     assert greedy_and_random == "random"
-    mixed = sampler_mode(temperature, np.array([0, 5, 0]), np.array([0.5, 1.0, 0.9]), 1000)
+    mixed = sampler_mode(
+        temperature, np.array([0, 5, 0]), np.array([0.5, 1.0, 0.9]), no_min_p, 1000
+    )
     assert mixed == "filtered"  # the last row filters by top-p alone
 
 
@@ -253,22 +259,22 @@ def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
     logits = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32) * 3)
     if mode == "greedy":
         params = [SamplingParams(temperature=0.0, top_k=7)] * 16
-    else:  # random rows with min-p (up to 1: only the top token), greedy rows among them
+    else:  # random rows, greedy rows (which keep their min-p) among them
         temperatures = [0.0, 0.8, 1e-4, 1.3]
-        min_ps = [0.05, 1.0, 0.999, 0.0]
         params = [
-            SamplingParams(temperature=temperatures[row % 4], min_p=min_ps[row // 4], seed=row)
+            SamplingParams(temperature=temperatures[row % 4], min_p=0.5 * (row % 4 == 0), seed=row)
             for row in range(16)
         ]
     inputs = SamplingInputs.from_params(params, range(16))
-    assert sampler_mode(inputs.temperature, inputs.top_k, inputs.top_p, 300) == mode
+    settings = (inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p)
+    assert sampler_mode(*settings, 300) == mode
     cheap = jax.jit(functools.partial(sample, mode=mode))(logits, inputs)
     general = jax.jit(functools.partial(sample, mode="filtered"))(logits, inputs)
     np.testing.assert_array_equal(np.asarray(cheap), np.asarray(general))
-    if mode == "random":  # min_p = 1 keeps the top token alone
-        np.testing.assert_array_equal(
-            np.asarray(cheap)[4:8], np.asarray(logits).argmax(axis=-1)[4:8]
-        )
+    greedy_rows = inputs.temperature < 1e-5
+    np.testing.assert_array_equal(
+        np.asarray(cheap)[greedy_rows], np.asarray(logits).argmax(axis=-1)[greedy_rows]
+    )
 
 
 def test_only_the_filtering_sampler_branches_on_device_values():

@@ -160,4 +160,4 @@ def test_greedy_requests_in_a_padded_bucket_take_the_greedy_sampler():
         desc, _ = harness.step()
         assert desc.shape.num_sampled == 4
         assert desc.top_k.tolist() == [np.iinfo(np.int32).max, 0, 0, 0]
-        assert sampler_mode(desc.temperature, desc.top_k, desc.top_p, 1000) == "greedy"
+        assert sampler_mode(desc.temperature, desc.top_k, desc.top_p, desc.min_p, 1000) == "greedy"
