@@ -233,9 +233,10 @@ class DecoderLayer(nn.Module):
     x, the residual stream, is float32 whatever the model's dtype, and o_proj and down_proj
     add to it what their GEMMs accumulated in float32; the model dtype is for weights, GEMM
     inputs and the KV cache. In bfloat16 the residual adds were each a rounding: over the 28
-    layers of qwen3-0.6b (random weights) they doubled the logits' distance from float32's
-    (1.25e-2 vs 0.70e-2 relative), and made any two attention kernels' logits as far apart.
-    It costs a few MB of traffic per layer, where the GEMMs read the layer's weights.
+    layers of qwen3-0.6b (random weights) they put the logits 1.25e-2 (relative) from float32's
+    instead of 0.69e-2, and two attention kernels' logits 1.41e-2 apart instead of 0.61e-2
+    (`scripts/bf16_noise.py`). It costs a few MB of traffic per layer, where the GEMMs read the
+    layer's weights.
     """
 
     config: Qwen3Config
