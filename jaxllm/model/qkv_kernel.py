@@ -34,17 +34,6 @@ def kernel_fits(num_kv_heads: int, group: int, head_dim: int) -> bool:
     return all(n & (n - 1) == 0 for n in (num_kv_heads, group, head_dim)) and head_dim >= 32
 
 
-def _norm_rope(first, second, scale_first, scale_second, cos, sin, eps):
-    """RMSNorm over the head dim, then the rotate-half rotary embedding, on the two halves of
-    the head dim (float32 [..., H / 2] each); returns the two halves."""
-    mean_square = (jnp.sum(first * first, -1) + jnp.sum(second * second, -1)) / (
-        2 * first.shape[-1]
-    )
-    inv = jax.lax.rsqrt(mean_square + eps)[..., None]
-    first, second = first * inv * scale_first, second * inv * scale_second
-    return first * cos - second * sin, second * cos + first * sin
-
-
 def _kernel(
     layer_ref,  # [1] the layer
     slot_ref,  # [1] this token's flat slot, -1 for padding
@@ -64,43 +53,32 @@ def _kernel(
     eps: float,
 ):
     del k_cache_ref, v_cache_ref  # the same buffers as the outputs
-    half = qkv_ref.shape[-1] // 2
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    head_dim = qkv_ref.shape[-1]
+    # NOTE: the rotation pairs the two halves of the head dim, so each is loaded on its own.
+    halves = (pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2))
     f32 = jnp.float32
-    cos, sin = cos_ref[lo].astype(f32), sin_ref[lo].astype(f32)
+    cos, sin = (ref[halves[0]].astype(f32) for ref in (cos_ref, sin_ref))
 
-    q_first = qkv_ref[:, pl.ds(0, group), lo].astype(f32)  # [K, G, H / 2]
-    q_second = qkv_ref[:, pl.ds(0, group), hi].astype(f32)
-    q_first, q_second = _norm_rope(
-        q_first,
-        q_second,
-        q_scale_ref[lo].astype(f32),
-        q_scale_ref[hi].astype(f32),
-        cos,
-        sin,
-        eps,
-    )
-    q_out_ref[:, :, lo] = q_first.astype(q_out_ref.dtype)
-    q_out_ref[:, :, hi] = q_second.astype(q_out_ref.dtype)
+    def norm_rope(heads, scale_ref) -> tuple[jax.Array, jax.Array]:
+        """`qkv_ref[:, heads]` normalised over the head dim and rotated: two float32 halves."""
+        first, second = (qkv_ref[:, heads, half].astype(f32) for half in halves)
+        mean_square = (jnp.sum(first * first, -1) + jnp.sum(second * second, -1)) / head_dim
+        inv = jax.lax.rsqrt(mean_square + eps)[..., None]
+        first = first * inv * scale_ref[halves[0]].astype(f32)
+        second = second * inv * scale_ref[halves[1]].astype(f32)
+        return first * cos - second * sin, second * cos + first * sin
 
+    def store(ref, index, values) -> None:
+        for half, value in zip(halves, values, strict=True):
+            ref[(*index, half)] = value.astype(ref.dtype)
+
+    store(q_out_ref, (slice(None), slice(None)), norm_rope(pl.ds(0, group), q_scale_ref))
     slot = slot_ref[0]
 
     @pl.when(slot >= 0)
     def _write():
         row = layer_ref[0] * slots_per_layer + slot
-        k_first = qkv_ref[:, group, lo].astype(f32)  # [K, H / 2]
-        k_second = qkv_ref[:, group, hi].astype(f32)
-        k_first, k_second = _norm_rope(
-            k_first,
-            k_second,
-            k_scale_ref[lo].astype(f32),
-            k_scale_ref[hi].astype(f32),
-            cos,
-            sin,
-            eps,
-        )
-        k_out_ref[row, :, lo] = k_first.astype(k_out_ref.dtype)
-        k_out_ref[row, :, hi] = k_second.astype(k_out_ref.dtype)
+        store(k_out_ref, (row, slice(None)), norm_rope(group, k_scale_ref))
         v_out_ref[row, :, :] = qkv_ref[:, group + 1, :].astype(v_out_ref.dtype)
 
 

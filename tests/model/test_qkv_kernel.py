@@ -16,7 +16,7 @@ from jaxllm.model.layouts import fuse_projections
 from jaxllm.model.qkv_kernel import kernel_fits, norm_rope_write
 from jaxllm.model.qwen3 import forward, init_params
 
-from .helpers import Chunk, build_inputs, relative_error
+from .helpers import Chunk, build_inputs, relative_error, small_config
 
 EPS = 1e-6
 
@@ -100,16 +100,8 @@ def decode_step_case(config: Qwen3Config):
 def test_pallas_decode_steps_take_the_kernel_and_agree():
     """With fused q/k/v, the "pallas" backend's decode step runs the kernel (interpreted here)
     and gives the logits and cache of the unfused step, which runs the jax.numpy ops."""
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        dtype="float32",
-        attention_backend="pallas",
+    config = small_config(
+        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, attention_backend="pallas"
     )
     params, cache, decode = decode_step_case(config)
     fused = fuse_projections(params)
