@@ -150,7 +150,7 @@ class Attention(nn.Module):
             keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
             values = jnp.einsum("TD,DKH->TKH", x, v_proj)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-        if self.fused and self._one_kernel(inputs, n, k, h):
+        if self.fused and self._uses_qkv_kernel(inputs, n, k, h):
             q_scale = NormScale(dtype, "head_dim", name="q_norm")(h)
             k_scale = NormScale(dtype, "head_dim", name="k_norm")(h)
             q, kv_cache = qkv_kernel.norm_rope_write(
@@ -183,7 +183,9 @@ class Attention(nn.Module):
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
 
-    def _one_kernel(self, inputs: ModelInputs, num_heads: int, num_kv_heads: int, head_dim: int):
+    def _uses_qkv_kernel(
+        self, inputs: ModelInputs, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> bool:
         """Whether q/k norms, rotary embedding and the cache write run as one kernel
         (qkv_kernel.py): in the "pallas" backend's decode steps (one-token tiles), where XLA
         runs them as six small kernels per layer."""

@@ -158,9 +158,8 @@ def sample(
     if mode not in SAMPLER_MODES:
         raise ValueError(f"unknown sampler mode {mode!r}; known: {', '.join(SAMPLER_MODES)}")
     logits = logits.astype(jnp.float32)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
     if mode == "greedy":
-        return greedy_tokens
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = inputs.temperature < GREEDY_TEMPERATURE
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
     scaled = logits / temperature[:, None]  # [S, V]
@@ -168,9 +167,10 @@ def sample(
     noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
     if mode == "random":
         # NOTE: one pass over the logits. Greedy rows (scaled by 1) get no noise, so their
-        # argmax is the greedy token; `greedy_tokens` above is then unused and not computed.
+        # argmax is the greedy token.
         noise = jnp.where(is_greedy[:, None], 0.0, noise)
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
     row_max = jnp.max(scaled, axis=-1)  # [S]
     ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
     # NOTE: greedy rows switch their filters off, so they never cost a sort.
