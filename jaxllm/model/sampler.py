@@ -12,12 +12,12 @@ its row index or the batch size.
 
 The host picks one of four variants per step (`sampler_mode`), compiled separately: "greedy"
 (all rows greedy: an argmax), "random" (no row filters by top-k, top-p or min-p: one pass over
-the logits), "top-k" (the rows that filter keep at most 256 tokens by top-k) and "filtered"
-(the general case, which may need a full sort). The choice is made on the host, not with
-`lax.cond` on device values: outside CUDA graphs, XLA:GPU copies a conditional's predicate to
-the host and waits for it, which holds the dispatching thread until the device has finished
-everything queued before (the model's step) and so keeps the engine from preparing the next
-step meanwhile.
+the logits), "top-k" (the rows that filter by top-k keep at most 256 tokens; or min-p alone)
+and "filtered" (the general case, which may need a full sort). The choice is made on the
+host, not with `lax.cond` on device values: outside CUDA graphs, XLA:GPU copies a
+conditional's predicate to the host and waits for it, which holds the dispatching thread until
+the device has finished everything queued before (the model's step) and so keeps the engine
+from preparing the next step meanwhile.
 
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
@@ -117,18 +117,20 @@ def sampler_mode(
     """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
 
     "greedy" when every row is greedy; "random" when no random row filters (by top-k, top-p or
-    min-p); "top-k" when every random row that filters keeps at most `NUM_CANDIDATE_BLOCKS`
-    tokens by top-k (whatever its top-p and min-p; Qwen3's recommended top_k=20, top_p=0.95 is
-    such a row); else "filtered".
+    min-p); "top-k" when every random row that filters by top-k or top-p keeps at most
+    `NUM_CANDIDATE_BLOCKS` tokens by top-k (whatever its top-p; Qwen3's recommended top_k=20,
+    top_p=0.95 is such a row), or when rows filter by min-p alone; else "filtered".
     """
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
         return "greedy"
     top_k = np.asarray(top_k)
     top_k = np.where(top_k >= vocab_size, 0, top_k)
-    filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0))
+    filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0))
     if not filtering.any():
-        return "random"
+        # NOTE: min-p needs the probabilities, which "random" skips, but no sort: "top-k" has
+        # them and no full-sort fallback (whose `lax.cond` would hold the host).
+        return "top-k" if (random_rows & (np.asarray(min_p) > 0)).any() else "random"
     small_k = (top_k >= 1) & (top_k <= NUM_CANDIDATE_BLOCKS)
     return "top-k" if small_k[filtering].all() else "filtered"
 

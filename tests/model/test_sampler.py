@@ -239,8 +239,9 @@ def test_the_host_picks_the_cheapest_exact_sampler():
     assert mode(0.7, top_k=20, top_p=0.95) == "top-k"  # Qwen3's recommended settings
     assert mode(0.7, top_k=300) == "filtered"  # beyond the 256 candidate blocks
     assert mode(0.7, top_p=0.9) == "filtered"
-    assert mode(0.7, min_p=0.1) == "filtered"
+    assert mode(0.7, min_p=0.1) == "top-k"  # min-p alone needs no sort
     assert mode(0.7, top_k=20, min_p=0.1) == "top-k"
+    assert mode(0.7, top_p=0.9, min_p=0.1) == "filtered"
     assert mode(0.0, min_p=0.1) == "greedy"
     temperature, no_min_p = np.array([0.0, 0.8, 0.8]), np.zeros(3)
     greedy_and_random = sampler_mode(
@@ -253,16 +254,22 @@ def test_the_host_picks_the_cheapest_exact_sampler():
     assert mixed == "filtered"  # the last row filters by top-p alone
 
 
-@pytest.mark.parametrize("mode", ["greedy", "random"])
+@pytest.mark.parametrize("mode", ["greedy", "random", "top-k"])
 def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32) * 3)
+    temperatures = [0.0, 0.8, 1e-4, 1.3]
     if mode == "greedy":
         params = [SamplingParams(temperature=0.0, top_k=7)] * 16
-    else:  # random rows, greedy rows (which keep their min-p) among them
-        temperatures = [0.0, 0.8, 1e-4, 1.3]
+    elif mode == "random":  # random rows, greedy rows (which keep their min-p) among them
         params = [
             SamplingParams(temperature=temperatures[row % 4], min_p=0.5 * (row % 4 == 0), seed=row)
+            for row in range(16)
+        ]
+    else:  # rows that filter by min-p alone (up to 1: only the top token), and greedy rows
+        min_ps = [0.05, 1.0, 0.999, 0.0]
+        params = [
+            SamplingParams(temperature=temperatures[row % 4], min_p=min_ps[row // 4], seed=row)
             for row in range(16)
         ]
     inputs = SamplingInputs.from_params(params, range(16))
@@ -275,6 +282,10 @@ def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
     np.testing.assert_array_equal(
         np.asarray(cheap)[greedy_rows], np.asarray(logits).argmax(axis=-1)[greedy_rows]
     )
+    if mode == "top-k":  # min_p = 1 keeps the top token alone
+        np.testing.assert_array_equal(
+            np.asarray(cheap)[4:8], np.asarray(logits).argmax(axis=-1)[4:8]
+        )
 
 
 def test_only_the_filtering_sampler_branches_on_device_values():
