@@ -157,7 +157,7 @@ def test_bfloat16_prefill_is_close(hf_model: HFModel):
 def test_bfloat16_logits_of_a_deep_model_stay_near_float32():
     """28 layers in bfloat16 (random weights): the logits are within 1e-2 of the float32 logits
     of the same weights. The float32 residual stream (layers.DecoderLayer) holds them at
-    0.6e-2; with the residual added in bfloat16 they were 1.25e-2 away."""
+    0.62e-2; with the residual added in bfloat16 they were 1.20e-2 away."""
     from jaxllm.model.config import PRESETS
     from jaxllm.model.qwen3 import init_params
 
