@@ -1,4 +1,4 @@
-"""The command line: `python -m jaxllm generate|chat|bench ...`."""
+"""The command line: `python -m jaxllm generate|chat ...` (the benchmark: `scripts/bench.py`)."""
 
 from __future__ import annotations
 
@@ -67,17 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 help="Qwen3's thinking mode (default: the chat template's, on)",
             )
 
-    commands.add_parser(
-        "bench", help="the throughput benchmark (see scripts/bench.py)", add_help=False
-    )
-
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from jaxllm.bench import main as bench_main
-
-        return bench_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
 
     from jaxllm.llm import LLM
 

@@ -132,12 +132,7 @@ def jaxllm_options(sweep: str) -> list[dict]:
             for stages in (2, 3)
         ]
     # {}: the default (num_splits_for: 2 per sequence at G=256, 4 at G=128, 8 at G=64).
-    return (
-        [{}, dict(num_splits=4)]
-        + [dict(split_tiles=tiles) for tiles in (16, 32, 64, 128)]
-        + [dict(split_tiles=64, num_stages=stages) for stages in (3, 4)]
-        + [dict(split_tiles=64, num_warps=8)]
-    )
+    return [{}, dict(num_splits=1), dict(num_splits=4), dict(num_splits=8)]
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):

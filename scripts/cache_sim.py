@@ -14,7 +14,7 @@ import sys
 import time
 
 from jaxllm.cache.eviction import EvictionPolicy
-from jaxllm.cache_sim import (
+from jaxllm.research.cache_sim import (
     POLICY_NAMES,
     default_cache_sizes,
     format_table,
@@ -24,7 +24,7 @@ from jaxllm.cache_sim import (
     write_csv,
     write_json,
 )
-from jaxllm.workloads import add_workload_arguments, workload_from_arguments
+from jaxllm.research.workloads import add_workload_arguments, workload_from_arguments
 
 
 def _int_list(text: str) -> list[int]:

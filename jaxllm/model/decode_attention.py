@@ -8,10 +8,7 @@ is one contiguous read, viewed as ROWS (token, kv head) keys. All N query heads 
 all of them in one matmul, and each query head keeps only its own kv head's columns (a mask):
 the wasted multiply-adds are free beside the memory traffic. Long contexts are split over
 several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
-softmax results are merged afterwards. (Programs of a fixed number of tiles, `split_tiles`,
-ran faster alone and in a decode step of mixed contexts, but bench.py's throughput fell 18%
-with them on an H200, sized then from the engine's 16-block-wide tables; sized from the batch
-alone they were no faster there than the even split; docs/performance.md.)
+softmax results are merged afterwards.
 
 Registered as the attention backend "pallas" (decode with this kernel, prefill with FA3).
 
@@ -59,14 +56,13 @@ def _decode_kernel(
     group: int,
     block_size: int,
     scale: float,
-    split_tiles: int | None,
 ):
     sequence, split = pl.program_id(0), pl.program_id(1)
     tokens_per_tile = rows // num_kv_heads
     num_rows, head_dim = q_ref.shape
     context = lens_ref[sequence]
     num_tiles = pl.cdiv(context, tokens_per_tile)
-    tiles_per_split = split_tiles or pl.cdiv(num_tiles, pl.num_programs(1))
+    tiles_per_split = pl.cdiv(num_tiles, pl.num_programs(1))
     start = split * tiles_per_split
     end = jnp.minimum(start + tiles_per_split, num_tiles)
 
@@ -122,7 +118,7 @@ def num_splits_for(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_splits", "split_tiles", "rows", "num_warps", "num_stages", "interpret"),
+    static_argnames=("num_splits", "rows", "num_warps", "num_stages", "interpret"),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -132,7 +128,6 @@ def paged_decode_attention(
     context_lens: jax.Array,
     *,
     num_splits: int | None = None,
-    split_tiles: int | None = None,
     rows: int = ROWS,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
@@ -147,8 +142,6 @@ def paged_decode_attention(
         context_lens: [G] int32 keys each sequence attends to (the first ones of its blocks).
         num_splits: programs per sequence, each an equal share of its tiles (default:
             `num_splits_for`).
-        split_tiles: instead, programs of this many tiles, as many per sequence as the table's
-            width needs (those past its context do nothing).
         rows, num_warps, num_stages: the tile (cache rows) and Triton's launch settings.
         interpret: run the kernel in Pallas' interpreter (tests on a CPU).
 
@@ -166,10 +159,7 @@ def paged_decode_attention(
             f"into a number of tokens that divides the block size)"
         )
     rows = tile
-    if split_tiles:
-        splits = pl.cdiv(width * block_size * num_kv_heads // rows, split_tiles)
-    else:
-        splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
+    splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
     padded_heads = max(16, pl.next_power_of_2(num_heads))
     q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))
     pool_shape = (num_blocks, block_size * num_kv_heads, head_dim)
@@ -180,7 +170,6 @@ def paged_decode_attention(
         group=num_heads // num_kv_heads,
         block_size=block_size,
         scale=head_dim**-0.5,
-        split_tiles=split_tiles,
     )
     acc, m, total = pl.pallas_call(
         kernel,

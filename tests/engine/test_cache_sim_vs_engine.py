@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm import workloads as w
-from jaxllm.cache_sim import POLICY_NAMES, simulate
+from jaxllm.research import workloads as w
+from jaxllm.research.cache_sim import POLICY_NAMES, simulate
 from tests.engine.conftest import BASE_SETTINGS
 
 NUM_BLOCKS = 16
@@ -86,7 +86,7 @@ def test_policy_never_changes_the_tokens(runs):
 
 def test_bench_workload_record_matches_the_simulator(tmp_path):
     """`scripts/bench.py --workload ...` on the CPU: its record's counters are the simulator's."""
-    from jaxllm.bench import main
+    from jaxllm.research.bench import main
 
     path = tmp_path / "record.json"
     argv = [

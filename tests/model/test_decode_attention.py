@@ -41,19 +41,16 @@ def decode_case(rng, batch, heads, kv_heads, head_dim, block_size, width, dtype)
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size", "splits", "split_tiles"),
+    ("heads", "kv_heads", "head_dim", "block_size", "splits"),
     [
-        (16, 8, 128, 32, 1, None),
-        (16, 8, 128, 32, 3, None),
-        (16, 8, 128, 32, None, 3),
-        (8, 4, 64, 16, 2, None),
-        (4, 1, 64, 64, 1, None),
+        (16, 8, 128, 32, 1),
+        (16, 8, 128, 32, 3),
+        (8, 4, 64, 16, 2),
+        (4, 1, 64, 64, 1),
     ],
-    ids=["gqa2", "gqa2-split", "gqa2-fixed-splits", "gqa2-small-blocks", "one-kv-head"],
+    ids=["gqa2", "gqa2-split", "gqa2-small-blocks", "one-kv-head"],
 )
-def test_kernel_equals_reference_in_float32(
-    heads, kv_heads, head_dim, block_size, splits, split_tiles
-):
+def test_kernel_equals_reference_in_float32(heads, kv_heads, head_dim, block_size, splits):
     rng = np.random.default_rng(0)
     q, keys, values, inputs = decode_case(rng, 6, heads, kv_heads, head_dim, block_size, 4, "f4")
     out = paged_decode_attention(
@@ -63,7 +60,6 @@ def test_kernel_equals_reference_in_float32(
         inputs.block_tables,
         inputs.context_lens,
         num_splits=splits,
-        split_tiles=split_tiles,
         interpret=True,
     )
     expected = reference_attention(q, keys, values, inputs)

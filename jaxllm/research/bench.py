@@ -1,14 +1,14 @@
 """nano-vllm's throughput benchmark, exactly, plus a JSON record and the physical bound.
 
-`python scripts/bench.py` (or `python -m jaxllm bench`) on a GPU runs nano-vllm's workload:
+`python scripts/bench.py` (or `python -m jaxllm.research.bench`) on a GPU runs nano-vllm's workload:
 seed 0, 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100,
 1024), temperature 0.6, ignore_eos; 133,966 output tokens. Without an accelerator it runs a small
 workload on `random:qwen3-tiny` and says so.
 
 `--workload shared-prefix|multi-turn|prefix-repetition|hot-prefix-scans|trace` runs one of
-`jaxllm.workloads` instead (same sampling), and adds time to first token, the prefix cache's
-counters, and the simulator's prediction of them for the engine's exact scheduler settings
-(docs/cache-policies.md).
+`jaxllm.research.workloads` instead (same sampling), and adds time to first token, the prefix
+cache's counters, and the simulator's prediction of them for the engine's exact scheduler
+settings (docs/cache-policies.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.cache import CacheStats
-from jaxllm.workloads import Request, add_workload_arguments, workload_from_arguments
+from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
 
 # The H200 ceilings measured on the device (shared/PERFORMANCE.md): device copy and bf16 matmul.
 H200_BANDWIDTH = 4.3e12
@@ -86,7 +86,7 @@ def workload_record(
 ) -> dict:
     """The workload run's latency and prefix-cache figures, and the simulator's prediction of
     the latter for the engine's scheduler settings."""
-    from jaxllm.cache_sim import simulate
+    from jaxllm.research.cache_sim import simulate
 
     stats = llm.cache_stats()
     ttft = np.array([output.metrics.time_to_first_token for output in outputs]) * 1e3
@@ -262,3 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

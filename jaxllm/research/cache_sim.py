@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.cache.eviction import EvictionPolicy
+from jaxllm.research.workloads import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
-from jaxllm.workloads import Request
 
 SYNTHETIC_TOKEN = 0
 POLICY_NAMES = ("lru", "fifo", "lfu", "mru")

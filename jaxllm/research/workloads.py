@@ -1,7 +1,7 @@
 """Seeded request workloads for prefix-cache experiments (pure Python + numpy, no jax).
 
 Each generator returns a list of `Request`s (prompt token ids, max_tokens, optional arrival
-time) that `jaxllm.cache_sim.simulate` replays through the scheduler and the block pool, and
+time) that `cache_sim.simulate` replays through the scheduler and the block pool, and
 `scripts/bench.py --workload ...` runs through the engine. Prompts are random token ids below
 `vocab_size`, so two blocks are equal only where a workload means them to be.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxllm import workloads as w
+from jaxllm.research import workloads as w
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,7 +163,7 @@ def test_workload_from_arguments(argv, count, length):
 def test_workloads_import_no_jax():
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        "import jaxllm.workloads, jaxllm.cache_sim; "
+        "import jaxllm.research.workloads, jaxllm.research.cache_sim; "
         "assert not {'jax', 'flax', 'matplotlib'} & set(sys.modules), sorted(sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxllm import workloads as w
-from jaxllm.cache_sim import (
+from jaxllm.research import workloads as w
+from jaxllm.research.cache_sim import (
     POLICY_NAMES,
     blocks_for_all,
     default_cache_sizes,

@@ -1,0 +1,5 @@
+"""Research beside the engine: request workloads, the prefix-cache simulator and the benchmark.
+
+It imports the engine; the engine never imports it. `workloads` and `cache_sim` import no jax
+(a cache-policy experiment runs on a laptop); `bench` runs the engine (`scripts/bench.py`).
+"""

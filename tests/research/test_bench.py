@@ -1,0 +1,50 @@
+"""`scripts/bench.py` (`jaxllm.research.bench`) on the CPU: its flags, its record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxllm.research.bench import main
+
+
+def test_bench_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--num-seqs" in capsys.readouterr().out
+
+
+def test_bench_record_on_the_cpu(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--num-seqs", "2", "--max-input-len", "120", "--max-output-len", "110"]
+    code = main([*argv, "--no-compile-at-startup", "--json", str(path)])
+
+    assert code == 0
+    record = json.loads(path.read_text())
+    assert f"Total: {record['output_tokens']}tok" in capsys.readouterr().out
+    assert 200 <= record["output_tokens"] <= 220 and record["num_seqs"] == 2
+    assert record["decode_steps"] >= 99
+    # The parts of a decode step's wall time are within it.
+    parts = record["decode_dispatch_ms_per_step"] + record["decode_wait_ms_per_step"]
+    assert 0 < parts <= record["decode_ms_per_step"]
+    # So are the start-up's phases (no compile phase: --no-compile-at-startup).
+    phases = record["startup_phases_s"]
+    assert set(phases) == {
+        "load weights",
+        "load the tokenizer",
+        "size the KV cache",
+        "allocate the KV cache",
+    }
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) <= record["startup_s"]
+    assert record["scan_layers"] is True  # the CPU's default
+
+
+@pytest.mark.parametrize("flag", ["--max-input-len", "--max-output-len"])
+def test_bench_refuses_lengths_below_the_workloads_minimum(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag, "32"])
+    assert exit_info.value.code == 2
+    assert f"{flag} must be at least 100" in capsys.readouterr().err
