@@ -16,14 +16,11 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
-from jaxllm.model import decode_attention
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
-from jaxllm.model.config import Qwen3Config
-from jaxllm.model.flash_attention import flash_available
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
-from jaxllm.model.layouts import fuse_projections, unstack_layers
 from jaxllm.model.sharding import make_mesh
 from jaxllm.outputs import RequestMetrics, RequestOutput
+from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import COMPILATIONS, ModelRunner, step_scratch_bytes
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import (
@@ -36,20 +33,10 @@ from jaxllm.sched import (
     Sequence,
 )
 from jaxllm.sched.batch import BucketShape
-from jaxllm.startup import (
-    configure_compilation_cache,
-    eos_token_ids,
-    is_cuda,
-    is_gpu,
-    resolve_model,
-    timed_phase,
-)
+from jaxllm.startup import configure_compilation_cache, eos_token_ids, resolve_model, timed_phase
 from jaxllm.tokenizer import IncrementalDetokenizer, decode_tokens, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-# NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
-CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass
@@ -105,27 +92,23 @@ class Engine:
     Mutates: the scheduler's queues and block pool, the runner's KV cache, its request records.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        configure_compilation_cache(config.compilation_cache_dir)
+    def __init__(self, model: str, config: EngineConfig, platform: Platform) -> None:
+        configure_compilation_cache()
         self.config = config
+        self.platform = platform
         # Seconds of each start-up phase, logged at INFO and kept for bench.py's record.
         self.startup_seconds: dict[str, float] = {}
         phase = functools.partial(timed_phase, self.startup_seconds)
-        model_path = resolve_model(config.model)
+        model_path = resolve_model(model)
         # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
         self.mesh = make_mesh(config.tensor_parallel_size)
         with phase("load weights"):
             model_config, params = load_params(
-                model_path, dtype=config.dtype, seed=config.seed, mesh=self.mesh
+                model_path, dtype=config.dtype or platform.dtype, seed=config.seed, mesh=self.mesh
             )
-            self.scan_layers = self._scan_layers(config)
-            if not self.scan_layers:  # before sizing the cache: the stacked arrays are freed here
-                params = unstack_layers(params)
-            self.fused_projections = self._fuse_projections(config)
-            if self.fused_projections:
-                params = fuse_projections(params)
-        backend = self._attention_backend(config, model_config)
-        self.model_config = model_config.replace(attention_backend=backend)
+        self.model_config = model_config
+        kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
+        self.kernels = platform.kernels(config.kvcache_block_size, kv_heads)
         is_random = model_path.startswith(RANDOM_PREFIX)
         with phase("load the tokenizer"):
             self.tokenizer = load_tokenizer(None if is_random else model_path)
@@ -138,7 +121,7 @@ class Engine:
         )
 
         block_size = config.kvcache_block_size
-        tile = config.prefill_tile or (128 if is_gpu() else 16)
+        tile = platform.prefill_tile
         budget = max(tile, config.max_num_batched_tokens // tile * tile)
         # NOTE: the cache's size is settled below; nothing else of the scheduler depends on it.
         sizing = SchedulerConfig(
@@ -154,8 +137,7 @@ class Engine:
         # NOTE: FA3 (and the Pallas decode kernel, whose prefill is FA3's) reads only each
         # sequence's context, so the table width does not change its work: every table is
         # padded to the widest (fewer executables). The portable backend gathers whole tables.
-        backend = self.model_config.attention_backend
-        one_width = backend == "flash" or (backend == "pallas" and flash_available())
+        one_width = self.kernels.prefill == "flash"
         ladder = BucketLadder.from_config(sizing, one_width=one_width)
         with phase("size the KV cache"):
             num_blocks = config.num_kvcache_blocks or self._fit_num_blocks(
@@ -178,6 +160,7 @@ class Engine:
                 num_blocks=num_blocks,
                 block_size=block_size,
                 max_sampled_rows=max(shape.num_sampled for shape in ladder.all_shapes()),
+                kernels=self.kernels,
                 mesh=self.mesh,
             )
         if config.compile_at_startup:
@@ -192,34 +175,6 @@ class Engine:
         self._last_wait_seconds = 0.0  # of the last `_apply_in_flight`
         self._compiled_lazily: set[tuple[BucketShape, str]] = set()  # (bucket, sampler mode)
 
-    @staticmethod
-    def _scan_layers(config: EngineConfig) -> bool:
-        """Whether the layers run as a scan over stacked weights: `config.scan_layers`, or if
-        None the scan on a CPU (faster to compile) and the layer loop on a GPU (faster steps:
-        XLA:GPU copies each layer's weights out of the stacked arrays, docs/performance.md)."""
-        return not is_gpu() if config.scan_layers is None else config.scan_layers
-
-    @staticmethod
-    def _fuse_projections(config: EngineConfig) -> bool:
-        """Whether q/k/v and gate/up are one weight each: `config.fuse_projections`, or if None
-        on a GPU (where XLA would concatenate the separate weights every step)."""
-        return is_gpu() if config.fuse_projections is None else config.fuse_projections
-
-    @staticmethod
-    def _attention_backend(config: EngineConfig, model: Qwen3Config) -> str:
-        """The backend "auto" stands for: on an NVIDIA GPU, jaxllm's Pallas decode kernel
-        (prefill on FlashAttention-3 where installed), measured fastest end to end on the H200
-        (docs/performance.md), if it has a tile for this cache layout; else FA3 where it runs;
-        else the portable one."""
-        if config.attention_backend != "auto":
-            return config.attention_backend
-        if not is_cuda():
-            return "reference"
-        kv_heads = model.num_kv_heads // config.tensor_parallel_size
-        if decode_attention.tile_rows(config.kvcache_block_size, kv_heads) is not None:
-            return "pallas"
-        return "flash" if flash_available() else "reference"
-
     def _fit_num_blocks(self, params, block_size: int, ladder: BucketLadder) -> int:
         """KV blocks that fit in `memory_fraction` of the device beside the params and the
         scratch memory of the largest step (measured by compiling it over a one-block cache)."""
@@ -228,13 +183,15 @@ class Engine:
             self.model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
         )
         blocks_per_seq = -(-config.max_model_len // block_size)
-        if not is_gpu():
+        if not self.platform.gpu:
             wanted = config.max_num_seqs * blocks_per_seq
             return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
         stats = jax.devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit", 0) * config.memory_fraction
         largest = max(ladder.all_shapes(), key=lambda shape: (shape.num_tokens, shape.width))
-        scratch = step_scratch_bytes(self.model_config, params, largest, block_size, self.mesh)
+        scratch = step_scratch_bytes(
+            self.model_config, params, largest, block_size, self.mesh, self.kernels
+        )
         if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
             c = self.model_config
             scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4

@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
+from jaxllm.model.attention import Kernels
 from jaxllm.outputs import RequestOutput, StreamDelta
+from jaxllm.platform import Platform
 from jaxllm.runner import COMPILATIONS
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import default_engine_kwargs, default_model
 from jaxllm.tokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
@@ -35,13 +36,12 @@ class LLM:
         model: a Hugging Face Qwen3 directory, an orbax checkpoint saved by `LLM.save`, a Hub
             id, or "random:<shape>" ("random:qwen3-tiny", "random:qwen3-0.6b", ...); None picks
             the embedded default (random qwen3-tiny on a CPU, qwen3-0.6b on a GPU) with
-            `default_engine_kwargs()` under the given ones (a lighter ladder on a CPU).
+            `Platform.default_engine_kwargs` under the given ones (a lighter ladder on a CPU).
         **kwargs: `EngineConfig` fields, keyword only: tensor_parallel_size=1,
             max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096,
             kvcache_block_size=256, num_kvcache_blocks=None, memory_fraction=0.9 (alias
             gpu_memory_utilization), dtype=None, enable_prefix_caching=True,
-            eviction_policy="lru", seed=0, prefill_tile, attention_backend, scan_layers,
-            fuse_projections, compile_at_startup, compilation_cache_dir; see `EngineConfig`.
+            eviction_policy="lru", seed=0, compile_at_startup=True; see `EngineConfig`.
 
     Raises:
         TypeError: an unknown argument.
@@ -56,15 +56,16 @@ class LLM:
             if "memory_fraction" in kwargs:
                 raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
             kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
-        kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "num_kvcache_blocks"}
+        platform = Platform.detect()
         if model is None:
-            kwargs = default_engine_kwargs() | kwargs
-        self.config = EngineConfig(model=os.fspath(model) if model else default_model(), **kwargs)
-        self.engine = Engine(self.config)
+            kwargs = platform.default_engine_kwargs | kwargs
+        self.model = os.fspath(model) if model else platform.default_model
+        self.config = EngineConfig(**kwargs)
+        self.engine = Engine(self.model, self.config, platform)
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
         self._seed_counter = itertools.count(1)
@@ -98,18 +99,9 @@ class LLM:
         return dict(self.engine.startup_seconds)
 
     @property
-    def scan_layers(self) -> bool:
-        """Whether the layers run as a scan over stacked weights (else a loop, per layer)."""
-        return self.engine.scan_layers
-
-    @property
-    def fused_projections(self) -> bool:
-        """Whether q/k/v and gate/up are held as one weight each (per layer)."""
-        return self.engine.fused_projections
-
-    @property
-    def attention_backend(self) -> str:
-        return self.engine.model_config.attention_backend
+    def kernels(self) -> Kernels:
+        """The attention kernels of prefill and decode steps (`jaxllm.platform` chose them)."""
+        return self.engine.kernels
 
     @property
     def num_compilations_since_startup(self) -> int:
@@ -127,10 +119,8 @@ class LLM:
         with the eos ids this engine stops at.
         """
         from jaxllm.model.checkpoint import save_params
-        from jaxllm.model.layouts import stack_layers, unfuse_projections
 
-        params = stack_layers(unfuse_projections(self.engine.runner.params))
-        save_params(path, self.engine.model_config, params)
+        save_params(path, self.engine.model_config, self.engine.runner.params)
         self.tokenizer.save_pretrained(path)
         eos = list(self.engine.scheduler_config.eos_token_ids)
         (Path(path) / "generation_config.json").write_text(

@@ -38,12 +38,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
+from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.inputs import ModelInputs
+from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
-from jaxllm.model.layouts import is_fused, is_stacked
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward
-from jaxllm.model.sampler import SAMPLER_MODES, SamplingInputs, sample, sampler_mode
+from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.sched.batch import BatchDescriptor, BucketShape
 
@@ -149,11 +149,6 @@ def _packed(layout: Layout, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((_packed_size(layout),), jnp.int32, sharding=sharding)
 
 
-def _sharded_forward(config: Qwen3Config, mesh: Mesh, params):
-    """The model step under shard_map for the layout of `params` (stacked or not, fused or not)."""
-    return sharded_forward(config, mesh, is_stacked(params), is_fused(params))
-
-
 def _forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, shape: BucketShape):
     """The model step, its placeholder token ids first replaced by the previous step's samples.
 
@@ -165,7 +160,7 @@ def _forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, shap
     inputs = ModelInputs(**arrays)
     from_previous = previous_tokens[jnp.maximum(source_rows, 0)]  # [T]
     token_ids = jnp.where(source_rows >= 0, from_previous, inputs.token_ids)
-    return forward_fn(params, kv_cache, inputs.replace(token_ids=token_ids))
+    return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
 
 
 def _sample_step(logits, packed, *, num_rows: int, mode: str):
@@ -196,7 +191,12 @@ def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any
 
 
 def step_scratch_bytes(
-    config: Qwen3Config, params, shape: BucketShape, block_size: int, mesh: Mesh
+    config: Qwen3Config,
+    params,
+    shape: BucketShape,
+    block_size: int,
+    mesh: Mesh,
+    kernels: Kernels,
 ) -> int | None:
     """Device memory one step of `shape` needs beside the params and the KV cache (per device).
 
@@ -204,7 +204,7 @@ def step_scratch_bytes(
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
     forward = jax.jit(
-        _sharded_forward(config, mesh, params),
+        sharded_forward(config, mesh, kernels),
         donate_argnums=1,
         compiler_options=COMPILER_OPTIONS,
     )
@@ -214,7 +214,7 @@ def step_scratch_bytes(
         cache,
         kv_cache_specs(),
     )
-    with partitioner_for(config, mesh):
+    with partitioner_for(mesh, kernels.custom_calls):
         compiled = forward.lower(params, cache, _model_inputs(shape, replicated(mesh))).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
@@ -244,9 +244,11 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         max_sampled_rows: int,
+        kernels: Kernels,
         mesh: Mesh | None = None,
     ) -> None:
         self.config = config
+        self.kernels = kernels
         self.params = params
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -256,7 +258,7 @@ class ModelRunner:
         self._forward = jax.jit(
             functools.partial(
                 _forward_step,
-                _sharded_forward(config, self.mesh, params),
+                sharded_forward(config, self.mesh, kernels),
             ),
             static_argnames="shape",
             donate_argnums=1,
@@ -319,7 +321,7 @@ class ModelRunner:
                 (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
             )
             # NOTE: the steps are compiled under the partitioner they were lowered for.
-            with partitioner_for(self.config, self.mesh):
+            with partitioner_for(self.mesh, self.kernels.custom_calls):
                 forward_programs = {}
                 for shape in shapes:
                     inputs = _packed(model_layout(shape), self._replicated)
@@ -348,7 +350,7 @@ class ModelRunner:
             logits_by_rows[shape.num_sampled] = self._run_forward(shape, padding, self._no_tokens)
         results = [self.kv_cache]
         for num_rows, mode in self._sample_executables:
-            greedy = vars(SamplingInputs.from_params([], [], num_rows=num_rows))
+            greedy = SamplingInputs.padding(num_rows)._asdict()
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
         jax.block_until_ready(results)
 

@@ -1,5 +1,5 @@
-"""What the engine needs before it serves: the platform, the compilation cache, the model's
-files and eos ids, the embedded default, and the timing of start-up's phases."""
+"""What the engine needs before it serves: the compilation cache, the model's files and eos ids,
+and the timing of start-up's phases."""
 
 from __future__ import annotations
 
@@ -17,19 +17,15 @@ from jaxllm.model.checkpoint import RANDOM_PREFIX
 logger = logging.getLogger(__name__)
 
 
-def is_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+# JAX's persistent compilation cache, a setting of the process: "" leaves it off.
+COMPILATION_CACHE_ENV = "JAXLLM_COMPILATION_CACHE"
+DEFAULT_COMPILATION_CACHE = "~/.cache/jaxllm/xla"
 
 
-def is_cuda() -> bool:
-    """An NVIDIA GPU (jax calls ROCm GPUs "gpu" too; their platform version names ROCm)."""
-    if not is_gpu():
-        return False
-    return "rocm" not in getattr(jax.devices()[0].client, "platform_version", "").lower()
-
-
-def configure_compilation_cache(directory: str) -> None:
-    """Turns on JAX's persistent compilation cache in `directory` ("" leaves it off)."""
+def configure_compilation_cache() -> None:
+    """Turns on JAX's persistent compilation cache in `$JAXLLM_COMPILATION_CACHE` (default
+    ~/.cache/jaxllm/xla), unless it is "" or the process set a cache already."""
+    directory = os.path.expanduser(os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE))
     if not directory or jax.config.jax_compilation_cache_dir:
         return
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -83,26 +79,3 @@ def timed_phase(seconds: dict[str, float], name: str) -> Iterator[None]:
     elapsed = time.perf_counter() - start
     seconds[name] = seconds.get(name, 0.0) + elapsed
     logger.info("%s: %.1f s", name, elapsed)
-
-
-def default_model() -> str:
-    """The embedded default: random qwen3-0.6b weights on a GPU, qwen3-tiny on a CPU."""
-    from jaxllm.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL
-
-    return os.environ.get("JAXLLM_MODEL") or (DEFAULT_GPU_MODEL if is_gpu() else DEFAULT_CPU_MODEL)
-
-
-def default_engine_kwargs() -> dict:
-    """Engine settings of the embedded default: the LLM defaults on a GPU, lighter on a CPU.
-
-    On a CPU each bucket of the ladder takes about half a second to compile: a smaller ladder,
-    compiled bucket by bucket as requests need them (a demo's few prompts need a few).
-    """
-    if is_gpu():
-        return {}
-    return {
-        "max_num_seqs": 16,
-        "max_model_len": 1024,
-        "max_num_batched_tokens": 1024,
-        "compile_at_startup": False,
-    }

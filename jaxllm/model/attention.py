@@ -1,6 +1,6 @@
-"""Attention backends over the paged KV cache, and the registry that names them.
+"""Attention over the paged KV cache: the kernels a step can use, and the portable reference.
 
-A backend is `fn(q, k_cache, v_cache, inputs) -> out` with
+Every attention function is `fn(q, k_cache, v_cache, inputs) -> out` with
     q: [T, N, H] the step's queries (rotary embedding applied),
     k_cache, v_cache: [NB, BS, K, H] one layer's cache, the step's own keys and values already
         written at `inputs.slot_mapping`,
@@ -9,6 +9,9 @@ A backend is `fn(q, k_cache, v_cache, inputs) -> out` with
 Rows of a tile attend with a bottom-right causal mask: row i of tile g sits at position
 `context_lens[g] - tile_size + i` and sees the keys at positions up to its own.
 
+`Kernels` says which function runs prefill steps and which decode steps (tiles of one token);
+`jaxllm.platform` decides it, and the model receives it as a static argument.
+
 Legend: T tokens, G tiles, R rows per tile (tile_size), W block-table width, NB blocks,
 BS block size, P context positions (W * BS), N query heads, K kv heads, Q query heads per kv
 head (N // K), H head dim.
@@ -16,62 +19,73 @@ head (N // K), H head dim.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model import decode_attention, flash_attention
 from jaxllm.model.inputs import ModelInputs
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, ModelInputs], jax.Array]
-
-_BACKENDS: dict[str, AttentionFn] = {}
-# jaxllm's other backends live in modules of their own, imported when first looked up.
-_BUILTIN_MODULES = {
-    "flash": "jaxllm.model.flash_attention",
-    "pallas": "jaxllm.model.decode_attention",
-}
+PREFILL_KERNELS = ("reference", "flash")
+DECODE_KERNELS = ("reference", "flash", "pallas")
 
 
-def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Decorator that makes `fn` available as `Qwen3Config(attention_backend=name)`."""
+@dataclass(frozen=True)
+class Kernels:
+    """The attention kernels of the model's steps (hashable: a static jit argument).
 
-    def register(fn: AttentionFn) -> AttentionFn:
-        if name in _BACKENDS:
-            raise ValueError(f"attention backend {name!r} is already registered")
-        _BACKENDS[name] = fn
-        return fn
+    Attributes:
+        prefill: "reference" (portable jax.numpy) or "flash" (FlashAttention-3, Hopper).
+        decode: "reference", "flash", or "pallas": jaxllm's Pallas (Triton) paged-decode kernel;
+            its decode steps also run the q/k norms, rotary embedding and cache write as one
+            Pallas kernel (`qkv_kernel.py`).
+        interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
+    """
 
-    return register
+    prefill: str = "reference"
+    decode: str = "reference"
+    interpret: bool = False
 
+    def __post_init__(self) -> None:
+        for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):
+            if getattr(self, kind) not in names:
+                raise ValueError(
+                    f"{kind} kernel must be one of {names}, not {getattr(self, kind)!r}"
+                )
 
-def get_attention_backend(name: str) -> AttentionFn:
-    """The backend registered under `name`; a ValueError lists the known names otherwise."""
-    if name not in _BACKENDS and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        known = ", ".join(sorted(_BACKENDS))
-        raise ValueError(f"unknown attention backend {name!r}; known: {known}") from None
-
-
-def attention_backends() -> tuple[str, ...]:
-    """Names of the registered backends (jaxllm's own included)."""
-    for module in _BUILTIN_MODULES.values():
-        importlib.import_module(module)
-    return tuple(sorted(_BACKENDS))
+    @property
+    def custom_calls(self) -> bool:
+        """Whether a step calls kernels outside XLA (FlashAttention-3, Pallas)."""
+        return (self.prefill, self.decode) != ("reference", "reference")
 
 
-@register_attention_backend("reference")
+# The portable kernels: jax.numpy attention for every step.
+PORTABLE = Kernels()
+
+
+def attend(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs, kernels: Kernels
+) -> jax.Array:
+    """Attention of the step's queries with the kernel `kernels` names for this kind of step."""
+    kernel = kernels.decode if inputs.tile_size == 1 else kernels.prefill
+    if kernel == "flash":
+        return flash_attention.flash_attention(q, k_cache, v_cache, inputs)
+    if kernel == "pallas":
+        return decode_attention.paged_decode_attention(
+            q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
+            interpret=kernels.interpret,
+        )  # fmt: skip
+    return reference_attention(q, k_cache, v_cache, inputs)
+
+
 def reference_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs
 ) -> jax.Array:
     """Portable jax.numpy attention: gathers each tile's context through its block table.
 
     Memory is O(G * P * K * H) for the gathered context, so this suits tests, CPUs and modest
-    batches; faster kernels register under other names.
+    batches.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxllm.model.config import PRESETS, Qwen3Config
-from jaxllm.model.loader import CheckpointError, default_dtype, load_hf_checkpoint
+from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import Params, abstract_params, init_params, param_shardings
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
@@ -71,7 +71,7 @@ def load_params(
         path_or_preset: a Hugging Face Qwen3 directory (config.json + *.safetensors), a
             directory written by `save_params`, or `random:<preset>` with a name in `PRESETS`
             (random weights made on the device).
-        dtype: param dtype name; default bfloat16 on a GPU, else the checkpoint's or preset's.
+        dtype: param dtype name; default the checkpoint's or preset's.
         seed: the random preset's seed.
         mesh: the "tp" mesh (`sharding.make_mesh`) the params are sharded over; default the
             first device alone.
@@ -88,13 +88,11 @@ def load_params(
         name = path_or_preset.removeprefix(RANDOM_PREFIX)
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-        config = PRESETS[name]
-        config = config.replace(dtype=dtype or default_dtype(config))
+        config = PRESETS[name].replace(dtype=dtype or PRESETS[name].dtype)
         return config, init_params(config, seed, mesh or make_mesh(1))
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
-        saved = Qwen3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-        return load_orbax_checkpoint(path, dtype or default_dtype(saved), mesh)
+        return load_orbax_checkpoint(path, dtype, mesh)
     if (path / "config.json").exists():
         return load_hf_checkpoint(path, dtype, mesh=mesh)
     raise CheckpointError(

@@ -20,9 +20,8 @@ class Qwen3Config:
     """Shape and numerics of a Qwen3 causal LM.
 
     Attributes:
-        dtype: parameter and activation dtype name ("float32" or "bfloat16"); attention softmax
-            and the final logits are always float32.
-        attention_backend: name of the attention function in `jaxllm.model.attention`.
+        dtype: parameter and activation dtype name ("float32" or "bfloat16"); attention softmax,
+            the residual stream and the final logits are always float32.
     """
 
     vocab_size: int
@@ -37,7 +36,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40_960
     dtype: str = "bfloat16"
-    attention_backend: str = "reference"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

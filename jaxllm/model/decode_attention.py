@@ -10,7 +10,7 @@ the wasted multiply-adds are free beside the memory traffic. Long contexts are s
 several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
 softmax results are merged afterwards.
 
-Registered as the attention backend "pallas" (decode with this kernel, prefill with FA3).
+The "pallas" decode kernel of `attention.Kernels`; off a GPU it runs interpreted (tests).
 
 Legend: G sequences (tiles of one token), N query heads (padded to M), K kv heads, Q query
 heads per kv head, H head dim, P blocks of the pool, BS block size, W block-table width,
@@ -26,10 +26,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from jaxllm.model.attention import get_attention_backend, register_attention_backend
-from jaxllm.model.flash_attention import flash_attention, flash_available
-from jaxllm.model.inputs import ModelInputs
 
 # Cache rows (token, kv head pairs) per tile; 64 x 128 bf16 = 16 KB of keys and as much values.
 ROWS = 64
@@ -201,22 +197,3 @@ def paged_decode_attention(
     total = (total * weight).sum(axis=1)  # [G, M]
     out = (acc * weight[..., None]).sum(axis=1) / jnp.maximum(total, 1e-30)[..., None]
     return out[:, :num_heads].astype(q.dtype)
-
-
-@register_attention_backend("pallas")
-def pallas_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs
-) -> jax.Array:
-    """Decode steps (one-token tiles) with the kernel above, prefill chunks with FlashAttention-3
-    (the portable backend where FA3 is missing). Off a GPU the kernel runs interpreted."""
-    if q.shape[0] != inputs.block_tables.shape[0]:
-        prefill = flash_attention if flash_available() else get_attention_backend("reference")
-        return prefill(q, k_cache, v_cache, inputs)
-    return paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        inputs.block_tables,
-        inputs.context_lens,
-        interpret=jax.default_backend() != "gpu",
-    )

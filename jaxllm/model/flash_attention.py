@@ -1,10 +1,9 @@
 """FlashAttention-3 (Hopper) paged attention, from the optional `flash-attn3-jax` package.
 
-`pip install "jaxllm[hopper]"` brings it. The engine's "auto" backend on a GPU ("pallas") runs
-prefill chunks with it and decodes with jaxllm's own kernel; without FA3 prefill falls back to
-the portable "reference" backend. FA3 takes the step's tiles directly: queries as
-`[G, R, N, H]`, the cache as a block pool with `page_table=block_tables`, and
-`cache_seqlens=context_lens` with a bottom-right-aligned causal mask, which is exactly the
+`pip install "jaxllm[hopper]"` brings it. On a Hopper GPU the engine runs prefill chunks with
+it (`jaxllm.platform`); decode steps run jaxllm's own kernel. FA3 takes the step's tiles
+directly: queries as `[G, R, N, H]`, the cache as a block pool with `page_table=block_tables`,
+and `cache_seqlens=context_lens` with a bottom-right-aligned causal mask, which is exactly the
 layout of `ModelInputs` (real rows last in each tile). It reads the cache, never writes it: the
 layer has already scattered the step's K/V into the donated cache.
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model.attention import register_attention_backend
 from jaxllm.model.inputs import ModelInputs
 
 try:
@@ -28,19 +26,18 @@ except ImportError:  # an optional extra
 _NUM_SMS = 132
 
 
-def flash_available() -> bool:
-    """Whether the FA3 kernel can run here: the package is installed and a GPU is present."""
-    return flash_mha_with_kvcache is not None and jax.default_backend() == "gpu"
+def installed() -> bool:
+    """Whether the `flash-attn3-jax` package is installed."""
+    return flash_mha_with_kvcache is not None
 
 
-@register_attention_backend("flash")
 def flash_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs
 ) -> jax.Array:
     """Paged attention of every tile over its context with FlashAttention-3 (bf16/fp16 only)."""
     if flash_mha_with_kvcache is None:
         raise RuntimeError(
-            'the "flash" attention backend needs the flash-attn3-jax package: '
+            'the "flash" attention kernel needs the flash-attn3-jax package: '
             'pip install "jaxllm[hopper]"'
         )
     num_tokens, num_heads, head_dim = q.shape

@@ -1,27 +1,36 @@
-"""What one device step reads: token ids, positions and the paged-KV addressing.
+"""What one device step reads: the model's inputs and the sampler's, one format for host and device.
 
-The contract between the host (`jaxllm.sched.batch` builds these arrays in numpy) and the model.
+The host (`jaxllm.sched.plan`) fills these with numpy arrays, starting from `padding(...)`; the
+runner hands them to the jitted step, where the same tuples hold traced arrays. This module
+imports no jax, so the host side can use it.
 
 Tokens of one step are laid out in *tiles* of `tile_size = T // G` consecutive tokens that all
-belong to one sequence and sit at consecutive positions. A sequence's chunk of new tokens is padded
-at the *front* up to a whole number of tiles, so that the real tokens of every tile come last and
-the tile's last row is always a real token. Decode steps use tiles of one token (G == T).
-This one layout serves every attention backend: the portable jnp path gathers each tile's context
-through its block table, and FlashAttention-style kernels take `q` as `[G, tile_size, N, H]`,
-`page_table=block_tables`, `cache_seqlens=context_lens` with a bottom-right causal mask.
+belong to one sequence and sit at consecutive positions. A sequence's chunk of new tokens is
+padded at the *front* up to a whole number of tiles, so that the real tokens of every tile come
+last and the tile's last row is always a real token. Decode steps use tiles of one token
+(G == T). This one layout serves every attention kernel: the portable jnp path gathers each
+tile's context through its block table, and FlashAttention-style kernels take `q` as
+`[G, tile_size, N, H]`, `page_table=block_tables`, `cache_seqlens=context_lens` with a
+bottom-right causal mask.
 
 Legend: T tokens in the step, G tiles, W block-table width (blocks), S sampled rows.
 """
 
 from __future__ import annotations
 
-import jax
-from flax import struct
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxllm.sampling_params import SamplingParams
+
+# top_k travels as int32; any larger value means the same as the whole vocabulary.
+INT32_MAX = np.iinfo(np.int32).max
 
 
-@struct.dataclass
-class ModelInputs:
-    """One step's model inputs (a pytree of int32 arrays; shapes are the bucket's).
+class ModelInputs(NamedTuple):
+    """One step's model inputs (int32 arrays; a pytree, as every NamedTuple).
 
     Attributes:
         token_ids: [T] token ids; padding rows hold 0.
@@ -29,19 +38,93 @@ class ModelInputs:
         slot_mapping: [T] flat KV slot (block_id * block_size + offset) where each token's K/V is
             written; -1 for padding rows, which write nowhere.
         block_tables: [G, W] the block ids of each tile's sequence, in order; unused entries 0.
-        context_lens: [G] number of KV positions each tile attends to, which is the position of
-            the tile's last token + 1 (the cached context plus the new tokens up to this tile);
-            0 for tiles that are all padding.
+        context_lens: [G] number of KV positions each tile attends to: the position of the
+            tile's last token + 1; 0 for tiles that are all padding.
         sample_indices: [S] rows of `token_ids` whose logits are returned; padding entries 0.
     """
 
-    token_ids: jax.Array
-    positions: jax.Array
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    context_lens: jax.Array
-    sample_indices: jax.Array
+    token_ids: Any
+    positions: Any
+    slot_mapping: Any
+    block_tables: Any
+    context_lens: Any
+    sample_indices: Any
 
     @property
     def tile_size(self) -> int:
         return self.token_ids.shape[0] // self.block_tables.shape[0]
+
+    @classmethod
+    def padding(cls, num_tokens: int, num_tiles: int, num_sampled: int, width: int) -> ModelInputs:
+        """A step of padding alone (numpy): it writes nothing and attends to nothing."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)
+        return cls(
+            token_ids=zeros(num_tokens),
+            positions=zeros(num_tokens),
+            slot_mapping=np.full(num_tokens, -1, np.int32),
+            block_tables=zeros(num_tiles, width),
+            context_lens=zeros(num_tiles),
+            sample_indices=zeros(num_sampled),
+        )
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row sampling settings of one step (a pytree of [S] arrays).
+
+    Attributes:
+        temperature: [S] float32; below `sampler.GREEDY_TEMPERATURE` means greedy (argmax).
+        top_k: [S] int32; keep the k largest logits; 0 keeps all.
+        top_p: [S] float32; keep the smallest prefix of tokens, by falling probability, whose
+            mass reaches top_p (the boundary token included); 1 keeps all.
+        min_p: [S] float32; drop tokens whose probability is below min_p times the top one;
+            0 keeps all.
+        seeds: [S] uint32; the row's random stream.
+        steps: [S] int32; tokens the request generated so far (selects the draw in the stream).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    seeds: Any
+    steps: Any
+
+    @classmethod
+    def padding(cls, num_rows: int) -> SamplingInputs:
+        """Rows that sample greedily (numpy), so padding never asks for a costlier sampler."""
+        return cls(
+            temperature=np.zeros(num_rows, np.float32),
+            top_k=np.zeros(num_rows, np.int32),
+            top_p=np.ones(num_rows, np.float32),
+            min_p=np.zeros(num_rows, np.float32),
+            seeds=np.zeros(num_rows, np.uint32),
+            steps=np.zeros(num_rows, np.int32),
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], steps: Sequence[int], num_rows: int | None = None
+    ) -> SamplingInputs:
+        """The rows' settings (numpy), padded to `num_rows` (default len(params)) greedy rows.
+
+        Args:
+            params: each row's SamplingParams.
+            steps: each row's number of generated tokens so far.
+            num_rows: the bucket's sampled rows.
+        """
+        num_rows = len(params) if num_rows is None else num_rows
+        if len(steps) != len(params) or num_rows < len(params):
+            raise ValueError(f"{len(params)} params, {len(steps)} steps, {num_rows} rows")
+        inputs, n = cls.padding(num_rows), len(params)
+        inputs.temperature[:n] = [p.temperature for p in params]
+        inputs.top_k[:n] = [min(p.top_k, INT32_MAX) for p in params]
+        inputs.top_p[:n] = [p.top_p for p in params]
+        inputs.min_p[:n] = [p.min_p for p in params]
+        inputs.seeds[:n] = [fold_seed(p.sampling_seed) for p in params]
+        inputs.steps[:n] = steps
+        return inputs
+
+
+def fold_seed(seed: int) -> int:
+    """Folds a seed in [0, 2**64) into the 32 bits the device key takes (xor of both halves)."""
+    return (seed ^ (seed >> 32)) & 0xFFFF_FFFF

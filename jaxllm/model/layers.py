@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model import qkv_kernel
-from jaxllm.model.attention import get_attention_backend
+from jaxllm.model.attention import PORTABLE, Kernels, attend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import KVCache, write_kv
@@ -106,14 +106,14 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache.
 
-    q/k/v are column-parallel (split by heads), o_proj row-parallel. With `fused`, q/k/v are
-    one weight `qkv_proj` [D, K, G + 2, H]: for each kv head its G = N / K query heads, its key
-    and its value (so a device's kv heads carry their query heads), one matmul instead of three.
+    q/k/v are one column-parallel weight `qkv_proj` [D, K, G + 2, H]: for each kv head its
+    G = N / K query heads, its key and its value, so a device's kv heads carry their query heads
+    and one matmul computes all three. o_proj is row-parallel.
     """
 
     config: Qwen3Config
     tp_size: int = 1
-    fused: bool = False
+    kernels: Kernels = PORTABLE
 
     @nn.compact
     def __call__(
@@ -133,133 +133,101 @@ class Attention(nn.Module):
         dtype = c.jnp_dtype
         d, h = c.hidden_size, c.head_dim
         n, k = c.num_heads // self.tp_size, c.num_kv_heads // self.tp_size
-        if self.fused:
-            g = n // k
-            axes = ("embed", "kv_heads", "qkv", "head_dim")
-            qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
-            qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
-            q = qkv[:, :, :g].reshape(x.shape[0], n, h)
-            keys, values = qkv[:, :, g], qkv[:, :, g + 1]
-        else:
-            axes = ("embed", "heads", "head_dim")
-            q_proj = self.param("q_proj", sharded(axes), (d, n, h), dtype)
-            axes = ("embed", "kv_heads", "head_dim")
-            k_proj = self.param("k_proj", sharded(axes), (d, k, h), dtype)
-            v_proj = self.param("v_proj", sharded(axes), (d, k, h), dtype)
-            q = jnp.einsum("TD,DNH->TNH", x, q_proj)
-            keys = jnp.einsum("TD,DKH->TKH", x, k_proj)
-            values = jnp.einsum("TD,DKH->TKH", x, v_proj)
+        g = n // k
+        axes = ("embed", "kv_heads", "qkv", "head_dim")
+        qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-        if self.fused and self._uses_qkv_kernel(inputs, n, k, h):
+        qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
+        if self._uses_qkv_kernel(inputs, k, g, h):
             q_scale = NormScale(dtype, "head_dim", name="q_norm")(h)
             k_scale = NormScale(dtype, "head_dim", name="k_norm")(h)
             q, kv_cache = qkv_kernel.norm_rope_write(
-                qkv,
-                q_scale,
-                k_scale,
-                cos,
-                sin,
-                kv_cache,
-                layer,
-                inputs.slot_mapping,
-                eps=c.rms_norm_eps,
-                interpret=jax.default_backend() != "gpu",
-            )
+                qkv, q_scale, k_scale, cos, sin, kv_cache, layer, inputs.slot_mapping,
+                eps=c.rms_norm_eps, interpret=self.kernels.interpret,
+            )  # fmt: skip
         else:
+            q = qkv[:, :, :g].reshape(x.shape[0], n, h)  # [T, N, H]
+            keys, values = qkv[:, :, g], qkv[:, :, g + 1]  # [T, K, H] each
             q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
             keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
             q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
             # NOTE: write first, so a chunk's tokens see each other through the cache.
             kv_cache = write_kv(kv_cache, layer, keys, values, inputs.slot_mapping)
-        # NOTE: the backends see every layer's blocks as one pool; this layer's blocks are
+        # NOTE: the kernels see every layer's blocks as one pool; this layer's blocks are
         # offset by layer * NB (see kv_cache.py), so nothing of the cache is sliced or copied.
         key_pool, value_pool = kv_cache.layer_views()  # [L * NB, BS, K, H] each
-        layer_inputs = inputs.replace(
-            block_tables=inputs.block_tables + layer * kv_cache.num_blocks
-        )
-        attend = get_attention_backend(c.attention_backend)
-        out = attend(q, key_pool, value_pool, layer_inputs)  # [T, N, H]
+        block_tables = inputs.block_tables + layer * kv_cache.num_blocks
+        out = attend(q, key_pool, value_pool, inputs._replace(block_tables=block_tables),
+                     self.kernels)  # fmt: skip
         # this device's heads' share
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
 
-    def _uses_qkv_kernel(
-        self, inputs: ModelInputs, num_heads: int, num_kv_heads: int, head_dim: int
-    ) -> bool:
+    def _uses_qkv_kernel(self, inputs: ModelInputs, num_kv_heads: int, group: int, head_dim: int):
         """Whether q/k norms, rotary embedding and the cache write run as one kernel
-        (qkv_kernel.py): in the "pallas" backend's decode steps (one-token tiles), where XLA
-        runs them as six small kernels per layer."""
+        (qkv_kernel.py): in decode steps of the "pallas" kernels, where XLA runs them as six
+        small kernels per layer."""
         return (
-            self.config.attention_backend == "pallas"
+            self.kernels.decode == "pallas"
             and inputs.tile_size == 1
-            and qkv_kernel.kernel_fits(num_kv_heads, num_heads // num_kv_heads, head_dim)
+            and qkv_kernel.kernel_fits(num_kv_heads, group, head_dim)
         )
 
 
 class MLP(nn.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`; gate/up column-parallel, down row-parallel."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`; gate and up one column-parallel weight
+    `gate_up_proj` [D, 2, F] (one matmul), down row-parallel."""
 
     config: Qwen3Config
     tp_size: int = 1
-    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         dtype = c.jnp_dtype
         d, f = c.hidden_size, c.intermediate_size // self.tp_size
-        if self.fused:  # one weight [D, 2, F], one matmul
-            axes = ("embed", "gate_up", "ffn")
-            gate_up_proj = self.param("gate_up_proj", sharded(axes), (d, 2, f), dtype)
-            gate_up = jnp.einsum("TD,DGF->TGF", x, gate_up_proj)
-            gate, up = gate_up[:, 0], gate_up[:, 1]
-        else:
-            gate_proj = self.param("gate_proj", sharded(("embed", "ffn")), (d, f), dtype)
-            up_proj = self.param("up_proj", sharded(("embed", "ffn")), (d, f), dtype)
-            gate = jnp.einsum("TD,DF->TF", x, gate_proj)
-            up = jnp.einsum("TD,DF->TF", x, up_proj)
+        axes = ("embed", "gate_up", "ffn")
+        gate_up_proj = self.param("gate_up_proj", sharded(axes), (d, 2, f), dtype)
         down_proj = self.param("down_proj", sharded(("ffn", "embed")), (f, d), dtype)
-        hidden = jax.nn.silu(gate) * up
+        gate_up = jnp.einsum("TD,DGF->TGF", x, gate_up_proj)
+        hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
         # this device's share
         out = jnp.einsum("TF,FD->TD", hidden, down_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size)
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block: the body of the layer scan, or of the layer loop.
+    """One pre-norm transformer block.
 
-    The carry is `(x [T, D], kv_cache)`: the whole cache goes through every layer and each
-    writes its slice at `layer`, so XLA updates the donated buffer in place. `fused`: q/k/v
-    and gate/up each as one weight (see Attention, MLP).
+    The whole cache goes through every layer and each writes its slice at `layer`, so XLA
+    updates the donated buffer in place.
 
     x, the residual stream, is float32 whatever the model's dtype, and o_proj and down_proj
     add to it what their GEMMs accumulated in float32; the model dtype is for weights, GEMM
-    inputs and the KV cache. In bfloat16 the residual adds were each a rounding: over the 28
-    layers of qwen3-0.6b (random weights) they put the logits 1.25e-2 (relative) from float32's
-    instead of 0.69e-2, and two attention kernels' logits 1.41e-2 apart instead of 0.61e-2
-    (`scripts/bf16_noise.py`). It costs a few MB of traffic per layer, where the GEMMs read the
-    layer's weights.
+    inputs and the KV cache. In bfloat16 each residual add would be a rounding: over the 28
+    layers of qwen3-0.6b (random weights) that puts the logits 1.25e-2 (relative) from
+    float32's instead of 0.69e-2 (`scripts/bf16_noise.py`).
     """
 
     config: Qwen3Config
     tp_size: int = 1
-    fused: bool = False
+    kernels: Kernels = PORTABLE
 
     @nn.compact
     def __call__(
         self,
-        carry: tuple[jax.Array, KVCache],
+        x: jax.Array,
+        kv_cache: KVCache,
         layer: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
         inputs: ModelInputs,
-    ) -> tuple[tuple[jax.Array, KVCache], None]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
-        x, kv_cache = carry
         attn_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x)
-        attention = Attention(c, self.tp_size, self.fused, name="attn")
+        attention = Attention(c, self.tp_size, self.kernels, name="attn")
         attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, inputs)
         x = x + attn_out
         mlp_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(x)
-        x = x + MLP(c, self.tp_size, self.fused, name="mlp")(mlp_in)
-        return (x, kv_cache), None
+        x = x + MLP(c, self.tp_size, name="mlp")(mlp_in)
+        return x, kv_cache

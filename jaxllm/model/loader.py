@@ -1,17 +1,18 @@
 """Loads a Hugging Face Qwen3 checkpoint (config.json + safetensors shards) into the param tree.
 
-One table, `HF_WEIGHTS`, maps every Hugging Face tensor name to a param path and a layout. All
-names and shapes are checked against it before any data is read, and one `CheckpointError`
-names every missing, unmapped, duplicated or mis-shaped tensor.
+One table, `HF_WEIGHTS`, maps every Hugging Face tensor name to a param path, a layout and, for
+the fused weights, the part of the param it fills. All names and shapes are checked against it
+before any data is read, and one `CheckpointError` names every missing, unmapped, duplicated or
+mis-shaped tensor.
 
 Sharded reading: each param is built device by device. For one device, the block of the param
-it holds (all of it without tensor parallelism) is read from every layer's tensor through
-`safe_open(...).get_slice` (memory-mapped: only the rows or columns of that block are read),
-converted into one host buffer, and sent to that device before the next device's block is
-read. Host memory so holds one device's block of one stacked param at a time, never the model;
-with several processes (`jax.distributed`) each reads only the blocks of its own devices.
+it holds (all of it without tensor parallelism) is read through `safe_open(...).get_slice`
+(memory-mapped: only the rows or columns of that block are read), converted into one host
+buffer, and sent to that device before the next device's block is read. Host memory so holds
+one device's block of one param at a time, never the model; with several processes
+(`jax.distributed`) each reads only the blocks of its own devices.
 
-Legend: L layers, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
+Legend: D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim, V vocab.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How a Hugging Face tensor becomes a param (one layer's slice for stacked params).
+    """How a Hugging Face tensor becomes a param.
 
     `linear_in_axes == 0` copies the tensor. Otherwise the tensor is a torch Linear weight
     [out, in]: it is transposed and reshaped so that the param's first `linear_in_axes` axes
-    are the input features (e.g. q_proj [N*H, D] -> [D, N, H], o_proj [D, N*H] -> [N, H, D]).
-    A block of the param that splits only the leading axis of its input or its output axes
-    (every sharding of `sharding.py`) is a contiguous range of the tensor's columns or rows.
+    are the input features (e.g. o_proj [D, N*H] -> [N, H, D]). A block of the param that splits
+    only the leading axis of its input or its output axes (every sharding of `sharding.py`) is
+    a contiguous range of the tensor's columns or rows.
     """
 
     linear_in_axes: int = 0
@@ -85,34 +86,78 @@ def _flat_slice(shape: tuple[int, ...], index: tuple[slice, ...]) -> slice:
     return slice(start * inner, stop * inner)
 
 
+@dataclass(frozen=True)
+class Part:
+    """The entries `start` .. `start + size - 1` along `axis` of a fused param, filled by one
+    tensor: the part with `axis` merged into the axis before it is that tensor's param.
+
+    E.g. q_proj is part (2, 0, G) of qkv_proj [D, K, G + 2, H]: [D, K, G, H] merged is
+    [D, N, H]; k_proj is part (2, G, 1): [D, K, 1, H] merged is [D, K, H].
+    """
+
+    axis: int
+    start: int
+    size: int
+
+    def shape(self, fused_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The unfused param's shape."""
+        a = self.axis
+        return (*fused_shape[: a - 1], fused_shape[a - 1] * self.size, *fused_shape[a + 1 :])
+
+    def index(self, fused_index: tuple[slice, ...], fused_shape) -> tuple[slice, ...]:
+        """The unfused param's block holding the block `fused_index` of the fused param (whose
+        `axis` is whole)."""
+        a = self.axis
+        start, stop, _ = fused_index[a - 1].indices(fused_shape[a - 1])
+        merged = slice(start * self.size, stop * self.size)
+        return (*fused_index[: a - 1], merged, *fused_index[a + 1 :])
+
+
 COPY = Layout()
 LINEAR = Layout(linear_in_axes=1)
 LINEAR_FROM_HEADS = Layout(linear_in_axes=2)
 
-# Hugging Face name -> (param path, layout). `{i}` is the layer; those params are stacked [L, ...].
-HF_WEIGHTS: dict[str, tuple[tuple[str, ...], Layout]] = {
-    "model.embed_tokens.weight": (("embed",), COPY),
-    "model.layers.{i}.input_layernorm.weight": (("layers", "attn_norm", "scale"), COPY),
-    "model.layers.{i}.self_attn.q_proj.weight": (("layers", "attn", "q_proj"), LINEAR),
-    "model.layers.{i}.self_attn.k_proj.weight": (("layers", "attn", "k_proj"), LINEAR),
-    "model.layers.{i}.self_attn.v_proj.weight": (("layers", "attn", "v_proj"), LINEAR),
-    "model.layers.{i}.self_attn.o_proj.weight": (("layers", "attn", "o_proj"), LINEAR_FROM_HEADS),
-    "model.layers.{i}.self_attn.q_norm.weight": (("layers", "attn", "q_norm", "scale"), COPY),
-    "model.layers.{i}.self_attn.k_norm.weight": (("layers", "attn", "k_norm", "scale"), COPY),
-    "model.layers.{i}.post_attention_layernorm.weight": (("layers", "mlp_norm", "scale"), COPY),
-    "model.layers.{i}.mlp.gate_proj.weight": (("layers", "mlp", "gate_proj"), LINEAR),
-    "model.layers.{i}.mlp.up_proj.weight": (("layers", "mlp", "up_proj"), LINEAR),
-    "model.layers.{i}.mlp.down_proj.weight": (("layers", "mlp", "down_proj"), LINEAR),
-    "model.norm.weight": (("final_norm", "scale"), COPY),
-    "lm_head.weight": (("lm_head",), LINEAR),
-}
+
+def hf_weights(config: Qwen3Config) -> dict[str, tuple[tuple[str, ...], Layout, Part | None]]:
+    """Hugging Face name -> (param path, layout, part of a fused param or None).
+
+    `{i}` is the layer, whose params are under "layers_{i}".
+    """
+    g = config.num_heads // config.num_kv_heads
+    attn, mlp, layer = "self_attn", "mlp", "model.layers.{i}"
+    qkv, gate_up = ("attn", "qkv_proj"), ("mlp", "gate_up_proj")
+    weights = {
+        "model.embed_tokens.weight": (("embed",), COPY, None),
+        f"{layer}.input_layernorm.weight": (("attn_norm", "scale"), COPY, None),
+        f"{layer}.{attn}.q_proj.weight": (qkv, LINEAR, Part(2, 0, g)),
+        f"{layer}.{attn}.k_proj.weight": (qkv, LINEAR, Part(2, g, 1)),
+        f"{layer}.{attn}.v_proj.weight": (qkv, LINEAR, Part(2, g + 1, 1)),
+        f"{layer}.{attn}.o_proj.weight": (("attn", "o_proj"), LINEAR_FROM_HEADS, None),
+        f"{layer}.{attn}.q_norm.weight": (("attn", "q_norm", "scale"), COPY, None),
+        f"{layer}.{attn}.k_norm.weight": (("attn", "k_norm", "scale"), COPY, None),
+        f"{layer}.post_attention_layernorm.weight": (("mlp_norm", "scale"), COPY, None),
+        f"{layer}.{mlp}.gate_proj.weight": (gate_up, LINEAR, Part(1, 0, 1)),
+        f"{layer}.{mlp}.up_proj.weight": (gate_up, LINEAR, Part(1, 1, 1)),
+        f"{layer}.{mlp}.down_proj.weight": (("mlp", "down_proj"), LINEAR, None),
+        "model.norm.weight": (("final_norm", "scale"), COPY, None),
+    }
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = (("lm_head",), LINEAR, None)
+    return weights
+
+
 # Present in some tied checkpoints; equal to the embedding, so not read.
 TIED_EXTRA = "lm_head.weight"
 
 
-def default_dtype(config: Qwen3Config) -> str:
-    """bfloat16 when the default jax backend is a GPU, else the checkpoint's own dtype."""
-    return "bfloat16" if jax.default_backend() == "gpu" else config.dtype
+@dataclass(frozen=True)
+class _Tensor:
+    """One expected Hugging Face tensor: where it goes and the shape it must have."""
+
+    param_path: tuple[str, ...]
+    layout: Layout
+    part: Part | None
+    hf_shape: tuple[int, ...]
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -139,21 +184,18 @@ def _set(tree: dict[str, Any], param_path: tuple[str, ...], value: Any) -> None:
     tree[param_path[-1]] = value
 
 
-def _expected_tensors(
-    config: Qwen3Config, shapes: Params
-) -> dict[str, tuple[tuple[str, ...], int | None, Layout, tuple[int, ...]]]:
-    """HF name -> (param path, layer or None, layout, expected HF shape) for this config."""
+def _expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]:
+    """HF name -> where it goes and its shape, for every tensor of this config."""
     expected = {}
-    for pattern, (param_path, layout) in HF_WEIGHTS.items():
-        if param_path == ("lm_head",) and config.tie_word_embeddings:
-            continue
-        param_shape = _get(shapes, param_path).shape
-        if "{i}" in pattern:
-            hf_shape = layout.hf_shape(param_shape[1:])
-            for layer in range(config.num_layers):
-                expected[pattern.format(i=layer)] = (param_path, layer, layout, hf_shape)
-        else:
-            expected[pattern] = (param_path, None, layout, layout.hf_shape(param_shape))
+    for pattern, (path, layout, part) in hf_weights(config).items():
+        layers = range(config.num_layers) if "{i}" in pattern else [None]
+        for i in layers:
+            param_path = path if i is None else (f"layers_{i}", *path)
+            param_shape = _get(shapes, param_path).shape
+            if part is not None:
+                param_shape = part.shape(param_shape)
+            name = pattern.format(i=i)
+            expected[name] = _Tensor(param_path, layout, part, layout.hf_shape(param_shape))
     return expected
 
 
@@ -165,7 +207,7 @@ def load_hf_checkpoint(
     Args:
         path: directory with config.json and one or many *.safetensors (sharded ones with
             model.safetensors.index.json).
-        dtype: param dtype name; default `default_dtype(config)`.
+        dtype: param dtype name; default the checkpoint's.
         progress: show a tqdm bar over the tensors.
         mesh: the "tp" mesh the params are sharded over (`sharding.py`); default the first
             device alone.
@@ -180,7 +222,8 @@ def load_hf_checkpoint(
     """
     path = Path(path)
     config = Qwen3Config.from_hf(path)
-    config = config.replace(dtype=dtype or default_dtype(config))
+    if dtype:
+        config = config.replace(dtype=dtype)
     mesh = mesh or make_mesh(1)
     check_tensor_parallel(config, tensor_parallel_size(mesh))
     shapes = abstract_params(config)
@@ -202,19 +245,19 @@ def load_hf_checkpoint(
         for name in sorted(handles.keys() - expected.keys()):
             if not (name == TIED_EXTRA and config.tie_word_embeddings):
                 problems.append(f"unmapped tensor {name}")
-        for name, (_, _, _, hf_shape) in expected.items():
+        for name, tensor in expected.items():
             if name in handles:
                 shape = tuple(handles[name].get_slice(name).get_shape())
-                if shape != hf_shape:
-                    problems.append(f"tensor {name} has shape {shape}, expected {hf_shape}")
+                if shape != tensor.hf_shape:
+                    problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
             )
 
         by_param: dict[tuple[str, ...], list[str]] = {}
-        for name, (param_path, *_) in expected.items():
-            by_param.setdefault(param_path, []).append(name)
+        for name, tensor in expected.items():
+            by_param.setdefault(tensor.param_path, []).append(name)
         params: Params = {}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
             for param_path, names in by_param.items():
@@ -222,7 +265,10 @@ def load_hf_checkpoint(
                 sharding = _get(shardings, param_path)
                 blocks = []
                 for device, index in sharding.addressable_devices_indices_map(shape).items():
-                    host = _read_block(handles, expected, names, shape, index, target_dtype)
+                    host = np.empty(_block_shape(shape, index), target_dtype)
+                    for name in names:
+                        tensor = handles[name].get_slice(name)
+                        _read_into(host, tensor, expected[name], shape, index)
                     # NOTE: waiting bounds host memory to one block even if transfers lag reads.
                     blocks.append(jax.device_put(host, device).block_until_ready())
                     del host
@@ -232,27 +278,23 @@ def load_hf_checkpoint(
     return config, params
 
 
-def _read_block(
-    handles: dict[str, Any],
-    expected: dict[str, tuple[tuple[str, ...], int | None, Layout, tuple[int, ...]]],
-    names: list[str],
-    shape: tuple[int, ...],
-    index: tuple[slice, ...],
-    dtype: np.dtype,
-) -> np.ndarray:
-    """The block `index` of the param of global `shape` made of the tensors `names` (one per
-    layer for stacked params), read from the checkpoint's slices only."""
-    parts = zip(index, shape, strict=True)
-    block_shape = tuple(len(range(*part.indices(size))) for part, size in parts)
-    host = np.empty(block_shape, dtype)
-    for name in names:
-        _, layer, layout, _ = expected[name]
-        if layer is None:
-            param_shape, param_index, target = shape, index, host
-        else:
-            # NOTE: layers are never sharded (`sharding.py`): the block holds every layer.
-            param_shape, param_index, target = shape[1:], index[1:], host[layer]
-        tensor = handles[name].get_slice(name)[layout.hf_index(param_shape, param_index)]
-        target[...] = layout.convert(tensor, target.shape)
-        del tensor
-    return host
+def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*part.indices(size))) for part, size in zip(index, shape, strict=True))
+
+
+def _read_into(
+    host: np.ndarray, hf_slice, tensor: _Tensor, shape: tuple[int, ...], index: tuple[slice, ...]
+) -> None:
+    """Reads the block `index` of the param of global `shape` that `tensor` fills (all of it, or
+    its part of a fused param) into `host`, from the checkpoint's slices only."""
+    part, layout = tensor.part, tensor.layout
+    if part is None:
+        host[...] = layout.convert(hf_slice[layout.hf_index(shape, index)], host.shape)
+        return
+    part_shape, part_index = part.shape(shape), part.index(index, shape)
+    block_shape = _block_shape(part_shape, part_index)
+    block = layout.convert(hf_slice[layout.hf_index(part_shape, part_index)], block_shape)
+    target = [slice(None)] * host.ndim
+    target[part.axis] = slice(part.start, part.start + part.size)
+    target_view = host[tuple(target)]
+    target_view[...] = block.reshape(target_view.shape)

@@ -24,14 +24,11 @@ Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.model.inputs import SamplingInputs
 
 # Rows whose temperature is below this are greedy (vLLM's epsilon).
 GREEDY_TEMPERATURE = 1e-5
@@ -45,66 +42,6 @@ GREEDY_TEMPERATURE = 1e-5
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
-
-
-@struct.dataclass
-class SamplingInputs:
-    """Per-row sampling settings of one step (a pytree of [S] arrays).
-
-    Attributes:
-        temperature: [S] float32; below `GREEDY_TEMPERATURE` means greedy (argmax).
-        top_k: [S] int32; keep the k largest logits; 0 keeps all.
-        top_p: [S] float32; keep the smallest prefix of tokens, by falling probability, whose
-            mass reaches top_p (the boundary token included); 1 keeps all.
-        min_p: [S] float32; drop tokens whose probability is below min_p times the top one;
-            0 keeps all.
-        seeds: [S] uint32; the row's random stream.
-        steps: [S] int32; tokens the request generated so far (selects the draw in the stream).
-    """
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    seeds: jax.Array
-    steps: jax.Array
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        steps: Sequence[int],
-        num_rows: int | None = None,
-    ) -> SamplingInputs:
-        """Builds the host-side (numpy) inputs of a batch; rows past len(params) are greedy.
-
-        Args:
-            params: each row's SamplingParams.
-            steps: each row's number of generated tokens so far.
-            num_rows: pad to this many rows (the batch bucket); defaults to len(params).
-        """
-        num_rows = len(params) if num_rows is None else num_rows
-        if len(steps) != len(params) or num_rows < len(params):
-            raise ValueError(f"{len(params)} params, {len(steps)} steps, {num_rows} rows")
-        temperature = np.zeros(num_rows, np.float32)
-        top_k = np.zeros(num_rows, np.int32)
-        top_p = np.ones(num_rows, np.float32)
-        min_p = np.zeros(num_rows, np.float32)
-        seeds = np.zeros(num_rows, np.uint32)
-        step_array = np.zeros(num_rows, np.int32)
-        for row, (p, step) in enumerate(zip(params, steps, strict=True)):
-            temperature[row] = p.temperature
-            top_k[row] = min(p.top_k, np.iinfo(np.int32).max)
-            top_p[row] = p.top_p
-            min_p[row] = p.min_p
-            seeds[row] = fold_seed(p.sampling_seed)
-            step_array[row] = step
-        return cls(temperature, top_k, top_p, min_p, seeds, step_array)
-
-
-def fold_seed(seed: int) -> np.uint32:
-    """Folds a seed in [0, 2**64) into the 32 bits the device key takes (xor of both halves)."""
-    return np.uint32((seed ^ (seed >> 32)) & 0xFFFF_FFFF)
 
 
 def sampler_mode(

@@ -1,12 +1,12 @@
 """Tensor parallelism: the mesh axis `tp`, the one table from logical axes to it, and shard_map.
 
 Every weight names its axes where the model declares it (`nn.with_logical_partitioning` in
-`layers.py` and `qwen3.py`, e.g. q_proj is ("layers", "embed", "heads", "head_dim")), and so
+`layers.py` and `qwen3.py`, e.g. qkv_proj is ("embed", "kv_heads", "qkv", "head_dim")), and so
 does the KV cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` below maps those names to
 the mesh axis `tp` or to None (replicated); it is the only place that decides what is sharded:
 
-    heads, kv_heads   q/k/v column-parallel, o_proj row-parallel, the KV cache on K
-    ffn               gate/up column-parallel, down row-parallel
+    heads, kv_heads   qkv_proj column-parallel, o_proj row-parallel, the KV cache on K
+    ffn               gate_up_proj column-parallel, down_proj row-parallel
     vocab             the embedding and the LM head vocab-parallel
 
 The step runs under `shard_map` over a one-axis `Mesh` ("tp"): each device computes with its
@@ -15,8 +15,8 @@ row-parallel projections with `psum` (see `qwen3.py`). The mesh is made once by 
 (`make_mesh`) and passed beside the frozen config, never stored in it. Across hosts the same
 mesh spans every process's devices once `jax.distributed.initialize` has run (docs/multihost.md).
 
-Legend: L layers, D model dim, N query heads, K kv heads, H head dim, F ffn dim, V vocab,
-NB blocks, BS block size.
+Legend: L layers, D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim,
+V vocab, NB blocks, BS block size.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ TP_AXIS = "tp"
 
 # Logical axis -> mesh axis (None: replicated on every device). The one sharding table.
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
-    "layers": None,  # L
+    "layers": None,  # L (the KV cache)
     "embed": None,  # D
     "heads": TP_AXIS,  # N
     "kv_heads": TP_AXIS,  # K
     "head_dim": None,  # H
-    "qkv": None,  # G + 2: a kv head's G query heads, its key and its value (fused q/k/v)
-    "gate_up": None,  # 2: gate and up (fused)
+    "qkv": None,  # G + 2: a kv head's G query heads, its key and its value
+    "gate_up": None,  # 2: gate and up
     "ffn": TP_AXIS,  # F
     "vocab": TP_AXIS,  # V
     "blocks": None,  # NB
@@ -73,15 +73,10 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     """
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel_size < 1 or len(devices) < tensor_parallel_size:
-        hint = ""
-        if devices and devices[0].platform == "cpu":
-            hint = (
-                "; on a CPU, emulate devices with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size}"
-            )
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} needs that many devices, "
-            f"{len(devices)} available{hint}"
+            f"{len(devices)} available (on a CPU, emulate devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size})"
         )
     devices = devices[:tensor_parallel_size]
     processes = {device.process_index for device in devices}
@@ -154,14 +149,14 @@ def gspmd_partitioner() -> Iterator[None]:
         jax.config.update("jax_use_shardy_partitioner", previous)
 
 
-def partitioner_for(config: Qwen3Config, mesh: Mesh) -> contextlib.AbstractContextManager:
-    """The context to lower and compile the model step of `config` over `mesh` in.
+def partitioner_for(mesh: Mesh, custom_calls: bool) -> contextlib.AbstractContextManager:
+    """The context to lower and compile a model step over `mesh` in.
 
-    NOTE: with jax 0.11.2 on two H200s (2026-11-30), XLA's Shardy pass ("shardy-xla") segfaulted
-    compiling the model step with FlashAttention-3's custom call at TP=2 (FA3 alone under
-    shard_map compiled; `scripts/tp_flash_check.py`). Such steps are lowered for the GSPMD
-    partitioner instead; everything else keeps JAX's default.
+    NOTE: with jax 0.11.2 on two H200s, XLA's Shardy pass ("shardy-xla") segfaulted compiling
+    the model step with FlashAttention-3's custom call at TP=2 (FA3 alone under shard_map
+    compiled; `scripts/tp_flash_check.py`). Steps that call kernels outside XLA are lowered for
+    the GSPMD partitioner instead; everything else keeps JAX's default.
     """
-    if tensor_parallel_size(mesh) > 1 and config.attention_backend in ("flash", "pallas"):
+    if tensor_parallel_size(mesh) > 1 and custom_calls:
         return gspmd_partitioner()
     return contextlib.nullcontext()

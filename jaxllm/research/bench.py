@@ -14,7 +14,9 @@ settings (docs/cache-policies.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.cache import CacheStats
+from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV, Platform
 from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
 
 # The H200 ceilings measured on the device (shared/PERFORMANCE.md): device copy and bf16 matmul.
@@ -125,26 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--max-input-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
-    parser.add_argument("--attention", default="auto", help="attention backend")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        help=f"attention kernels (sets {ATTENTION_ENV}; default: the platform's choice)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None)
     parser.add_argument("--json", default=None, help="write a JSON record here")
     parser.add_argument("--eviction-policy", default="lru", help="lru, fifo, lfu or mru")
     parser.add_argument("--block-size", type=int, default=None, help="kvcache_block_size")
-    parser.add_argument(
-        "--layers",
-        choices=("scan", "loop"),
-        default=None,
-        help="scan over stacked layer weights, or loop over one buffer per layer (default: "
-        "loop on a GPU, else scan)",
-    )
-    parser.add_argument(
-        "--fuse-projections",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="q/k/v and gate/up each as one weight per layer (EngineConfig.fuse_projections; "
-        "default: on a GPU)",
-    )
     parser.add_argument(
         "--compile-at-startup",
         action=argparse.BooleanOptionalAction,
@@ -170,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm import LLM, SamplingParams
     from jaxllm.runner import COMPILATIONS
 
-    on_accelerator = jax.default_backend() != "cpu"
+    if args.attention:
+        os.environ[ATTENTION_ENV] = args.attention
+    on_accelerator = Platform.detect().backend != "cpu"
     if on_accelerator:
         model = args.model or "random:qwen3-0.6b"
         num_seqs, max_in, max_out = 256, 1024, 1024
@@ -199,13 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(
         model,
         tensor_parallel_size=args.tp,
-        attention_backend=args.attention,
         enable_prefix_caching=not args.no_prefix_caching,
         num_kvcache_blocks=args.num_kvcache_blocks,
         eviction_policy=args.eviction_policy,
         compile_at_startup=args.compile_at_startup,
-        scan_layers=None if args.layers is None else args.layers == "scan",
-        fuse_projections=args.fuse_projections,
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start
@@ -246,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_executables": llm.num_executables,
         "compilations_during_run": COMPILATIONS.count - compilations_before,
         "num_kvcache_blocks": llm.num_kvcache_blocks,
-        "attention_backend": llm.attention_backend,
-        "scan_layers": llm.scan_layers,
-        "fused_projections": llm.fused_projections,
+        "attention_kernels": dataclasses.asdict(llm.kernels),
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,

@@ -8,9 +8,11 @@ about half a second to compile, so tests reuse a few small ladders.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import transformers
 from hf_reference import random_qwen3
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.platform import ATTENTION_ENV
 
 VOCAB_SIZE = 256
 BLOCK_SIZE = 16
@@ -109,16 +112,24 @@ def greedy_params(num_tokens: int = NUM_GREEDY_TOKENS, **fields) -> SamplingPara
     return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, **fields)
 
 
+def make_llm_with(model, attention: str | None = None, **settings) -> LLM:
+    """An LLM whose platform runs the `attention` backend (`JAXLLM_ATTENTION_BACKEND`)."""
+    environment = {ATTENTION_ENV: attention} if attention else {}
+    with mock.patch.dict(os.environ, environment):
+        return LLM(str(model), **settings)
+
+
 @pytest.fixture(scope="session")
 def make_llm(checkpoint):
-    """make_llm(**settings) -> a shared LLM on the vocab-256 checkpoint, built once per settings."""
+    """make_llm(attention=None, **settings) -> a shared LLM on the vocab-256 checkpoint, built
+    once per settings."""
     engines: dict[tuple, LLM] = {}
 
-    def make(**overrides) -> LLM:
+    def make(attention: str | None = None, **overrides) -> LLM:
         settings = BASE_SETTINGS | overrides
-        key = tuple(sorted(settings.items()))
+        key = (attention, *sorted(settings.items()))
         if key not in engines:
-            engines[key] = LLM(str(checkpoint.path), **settings)
+            engines[key] = make_llm_with(checkpoint.path, attention, **settings)
         return engines[key]
 
     return make

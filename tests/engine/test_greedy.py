@@ -13,15 +13,14 @@ from .conftest import BLOCK_SIZE, NUM_GREEDY_TOKENS, VOCAB_SIZE, assert_idle, gr
 SCHEDULES = {
     "prefix-caching": {},
     "no-prefix-caching": {"enable_prefix_caching": False},
-    # Chunks of 40 tokens in tiles of 8: chunk ends fall inside blocks of 16.
-    "chunked-prefill": {"max_num_batched_tokens": 40, "prefill_tile": 8},
+    # Chunks of 48 tokens (the CPU's tiles of 16): chunk ends fall inside blocks of 32.
+    "chunked-prefill": {"max_num_batched_tokens": 48, "kvcache_block_size": 32},
     # 32 blocks of 16 tokens: one max_model_len request, far less than the batch needs; MRU
     # eviction, unlike the default LRU, drops the blocks just freed by preemption first.
     "preemption": {"num_kvcache_blocks": 32, "eviction_policy": "mru"},
-    # Decode through jaxllm's Pallas kernel (interpreted on a CPU).
-    "pallas-decode": {"attention_backend": "pallas"},
-    # ... with q/k/v fused: q/k norms, rotary and the cache write in one kernel too.
-    "pallas-decode-fused": {"attention_backend": "pallas", "fuse_projections": True},
+    # Decode through jaxllm's Pallas kernels (interpreted on a CPU): attention, and the q/k
+    # norms, rotary embedding and cache write.
+    "pallas-decode": {"attention": "pallas"},
 }
 
 
@@ -38,7 +37,7 @@ def test_greedy_equals_transformers(schedule, make_llm, greedy_prompts, greedy_r
     if schedule == "preemption":
         assert llm.engine.scheduler.num_preemptions > preemptions
     if schedule == "chunked-prefill":
-        assert llm.engine.stats.prefill.steps > sum(len(p) for p in greedy_prompts) // 40
+        assert llm.engine.stats.prefill.steps > sum(len(p) for p in greedy_prompts) // 48
     assert_idle(llm)
 
 

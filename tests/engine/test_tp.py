@@ -34,7 +34,6 @@ SETTINGS = dict(
     dtype="float32",
     enable_prefix_caching=True,
     compile_at_startup=False,
-    compilation_cache_dir="",
 )
 
 
@@ -99,53 +98,30 @@ def check_greedy_tokens_and_shards(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    attention_backend: str = "auto",
-    scan_layers: bool = True,
-    fuse_projections: bool = False,
+    attention: str | None = None,
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
-    KV cache are split `tp` ways (weights stacked over layers, or one tree per layer; q/k/v and
-    gate/up apart or fused)."""
-    from jaxllm import LLM
+    KV cache are split `tp` ways (each layer's fused q/k/v by kv heads, with their queries)."""
+    from .conftest import make_llm_with
 
     path, reference = checkpoint
-    llm = LLM(
-        str(path),
-        tensor_parallel_size=tp,
-        attention_backend=attention_backend,
-        scan_layers=scan_layers,
-        fuse_projections=fuse_projections,
-        **SETTINGS,
-    )
+    llm = make_llm_with(path, attention, tensor_parallel_size=tp, **SETTINGS)
 
     assert generate(llm) == reference
     stats = llm.cache_stats()
     assert stats.num_hit_tokens >= 2 * 32  # the later shared-prefix prompts hit two blocks
     assert llm.engine.scheduler_config.max_num_batched_tokens == 32  # prompts were chunked
     params = llm.engine.runner.params
-    if scan_layers:
-        layers, stacked = params["layers"], (LAYERS,)
-    else:
-        assert {name for name in params if name.startswith("layers")} == {
-            f"layers_{i}" for i in range(LAYERS)
-        }
-        layers, stacked = params[f"layers_{LAYERS - 1}"], ()
-    if fuse_projections:  # for each kv head: its query heads, its key, its value
-        qkv_proj = layers["attn"]["qkv_proj"]
-        assert len(qkv_proj.addressable_shards) == tp
-        group = num_heads // num_kv_heads
-        shape = (*stacked, HIDDEN, num_kv_heads // tp, group + 2, head_dim)
-        assert qkv_proj.addressable_shards[0].data.shape == shape
-        gate_up_proj = layers["mlp"]["gate_up_proj"]
-        shape = (*stacked, HIDDEN, 2, (2 * HIDDEN + 32) // tp)
-        assert gate_up_proj.addressable_shards[0].data.shape == shape
-    else:
-        q_proj = layers["attn"]["q_proj"]
-        assert len(q_proj.addressable_shards) == tp
-        shape = (*stacked, HIDDEN, num_heads // tp, head_dim)
-        assert q_proj.addressable_shards[0].data.shape == shape
+    layers = params[f"layers_{LAYERS - 1}"]
+    qkv_proj = layers["attn"]["qkv_proj"]  # for each kv head: its query heads, key and value
+    assert len(qkv_proj.addressable_shards) == tp
+    group = num_heads // num_kv_heads
+    shape = (HIDDEN, num_kv_heads // tp, group + 2, head_dim)
+    assert qkv_proj.addressable_shards[0].data.shape == shape
+    gate_up_proj = layers["mlp"]["gate_up_proj"]
+    assert gate_up_proj.addressable_shards[0].data.shape == (HIDDEN, 2, (2 * HIDDEN + 32) // tp)
     down_proj = layers["mlp"]["down_proj"]
-    assert down_proj.addressable_shards[0].data.shape == (*stacked, (2 * HIDDEN + 32) // tp, HIDDEN)
+    assert down_proj.addressable_shards[0].data.shape == ((2 * HIDDEN + 32) // tp, HIDDEN)
     assert params["embed"].addressable_shards[0].data.shape == (VOCAB // tp, HIDDEN)
     assert params["lm_head"].addressable_shards[0].data.shape == (HIDDEN, VOCAB // tp)
     keys = llm.engine.runner.kv_cache.keys
@@ -158,33 +134,16 @@ def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
     check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_tokens_equal_transformers_with_a_buffer_per_layer(checkpoint, tp):
-    """The GPU's layer loop (`scan_layers=False`: one weight buffer per layer, no scan)."""
-    check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM, scan_layers=False)
-
-
-@pytest.mark.parametrize(("tp", "scan_layers"), [(1, True), (2, False)])
-def test_greedy_tokens_equal_transformers_with_fused_projections(checkpoint, tp, scan_layers):
-    """q/k/v and gate/up each as one weight (`fuse_projections`), with either layer layout."""
-    check_greedy_tokens_and_shards(
-        checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM, scan_layers=scan_layers, fuse_projections=True
-    )
-
-
 def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):
     """TP=8 (one kv head and two query heads per device) on 8 emulated devices."""
     check_greedy_tokens_and_shards(checkpoint_tp8, 8, TP8_HEADS, TP8_KV_HEADS, TP8_HEAD_DIM)
 
 
-@pytest.mark.parametrize("fuse_projections", [False, True], ids=["apart", "fused"])
-def test_pallas_decode_kernel_under_the_mesh(checkpoint, fuse_projections):
-    """The "pallas" backend at TP=2: its kernels (interpreted on a CPU; with fused q/k/v, the
-    q/k norm, rotary and cache-write kernel too) under shard_map, the step lowered for the GSPMD
-    partitioner as on a GPU (`sharding.partitioner_for`)."""
-    check_greedy_tokens_and_shards(
-        checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas", fuse_projections=fuse_projections
-    )
+def test_pallas_decode_kernels_under_the_mesh(checkpoint):
+    """The "pallas" kernels at TP=2 (interpreted on a CPU: attention, and the q/k norm, rotary
+    and cache-write kernel) under shard_map, the step lowered for the GSPMD partitioner as on a
+    GPU (`sharding.partitioner_for`)."""
+    check_greedy_tokens_and_shards(checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas")
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_at_construction():
@@ -210,6 +169,7 @@ def test_two_processes_share_one_mesh(checkpoint, tmp_path):
     path, reference = checkpoint
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["JAXLLM_COMPILATION_CACHE"] = ""
     env["JAX_PLATFORMS"] = "cpu"
     workers = [
         subprocess.Popen(
@@ -234,7 +194,8 @@ def test_two_processes_share_one_mesh(checkpoint, tmp_path):
     for i in range(2):
         result = json.loads((tmp_path / f"process{i}.json").read_text())
         assert result["devices"] == 4 and result["local_devices"] == 2
-        assert result["q_proj_shards"] == [[LAYERS, HIDDEN, HEADS // 4, HEAD_DIM]] * 2
+        group = HEADS // KV_HEADS
+        assert result["qkv_proj_shards"] == [[HIDDEN, KV_HEADS // 4, group + 2, HEAD_DIM]] * 2
         assert result["token_ids"] == reference
 
 
@@ -250,11 +211,11 @@ def _worker(process_id: int, port: int, model: str, out: str) -> None:
 
     llm = LLM(model, tensor_parallel_size=4, **SETTINGS)
     token_ids = generate(llm)
-    q_proj = llm.engine.runner.params["layers"]["attn"]["q_proj"]
+    qkv_proj = llm.engine.runner.params["layers_0"]["attn"]["qkv_proj"]
     result = {
         "devices": len(jax.devices()),
         "local_devices": len(jax.local_devices()),
-        "q_proj_shards": [list(shard.data.shape) for shard in q_proj.addressable_shards],
+        "qkv_proj_shards": [list(shard.data.shape) for shard in qkv_proj.addressable_shards],
         "token_ids": token_ids,
     }
     (Path(out) / f"process{process_id}.json").write_text(json.dumps(result))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.model.attention import attention_backends, get_attention_backend, reference_attention
+from jaxllm.model.attention import Kernels, reference_attention
 
 from .helpers import Chunk, build_inputs
 
@@ -62,22 +59,10 @@ def test_reference_matches_dense_attention_per_sequence():
         row += n
 
 
-def test_registry_knows_reference_and_names_the_known_ones():
-    assert get_attention_backend("reference") is reference_attention
-    assert "reference" in attention_backends()
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash3'; known: .*reference"):
-        get_attention_backend("flash3")
-
-
-def test_jaxllms_own_backends_are_found_without_importing_their_modules():
-    """`Qwen3Config(attention_backend="pallas")` works in a fresh interpreter that imported only
-    the model (as a script calling `forward` does), not the engine that used to register it."""
-    code = (
-        "import sys; from jaxllm.model.attention import get_attention_backend as get;"
-        "assert 'jaxllm.model.decode_attention' not in sys.modules;"
-        "print(get('pallas').__module__, get('flash').__module__)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    modules = ["jaxllm.model.decode_attention", "jaxllm.model.flash_attention"]
-    assert result.stdout.split() == modules
+def test_kernels_name_known_kernels_and_say_when_they_leave_xla():
+    assert not Kernels().custom_calls
+    assert Kernels("flash", "pallas").custom_calls and Kernels("reference", "flash").custom_calls
+    with pytest.raises(ValueError, match=r"decode kernel must be one of .*'pallas'.*not 'flash3'"):
+        Kernels(decode="flash3")
+    with pytest.raises(ValueError, match=r"prefill kernel must be one of"):
+        Kernels(prefill="pallas")  # the Pallas kernel decodes only

@@ -52,8 +52,10 @@ def test_random_preset_is_seeded_and_runs():
     assert jax.tree.map(lambda p: (p.shape, p.dtype), params) == jax.tree.map(
         lambda s: (s.shape, s.dtype), shapes
     )
-    assert bitwise_equal(params["layers"]["attn"]["q_proj"], same["layers"]["attn"]["q_proj"])
-    assert not bitwise_equal(params["layers"]["attn"]["q_proj"], other["layers"]["attn"]["q_proj"])
+    qkv = lambda tree, i: tree[f"layers_{i}"]["attn"]["qkv_proj"]
+    assert bitwise_equal(qkv(params, 1), qkv(same, 1))
+    assert not bitwise_equal(qkv(params, 1), qkv(other, 1))
+    assert not bitwise_equal(qkv(params, 0), qkv(params, 1))  # each layer draws its own
     np.testing.assert_array_equal(params["final_norm"]["scale"], 1.0)
 
     cache = allocate_kv_cache(config, num_blocks=4, block_size=16)

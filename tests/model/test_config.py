@@ -91,13 +91,18 @@ def test_preset_parameter_counts_match_published(name):
     assert param_count(config, non_embedding=True) == pytest.approx(non_embedding, rel=0.01)
 
 
-def test_abstract_params_allocate_nothing_and_stack_layers():
+def test_abstract_params_allocate_nothing_and_hold_each_layer_apart():
     config = PRESETS["qwen3-32b"]
     shapes = abstract_params(config)
 
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(shapes))
-    assert shapes["layers"]["attn"]["q_proj"].shape == (64, 5120, 64, 128)
-    assert shapes["layers"]["mlp"]["down_proj"].shape == (64, 25600, 5120)
+    assert {name for name in shapes if name.startswith("layers")} == {
+        f"layers_{i}" for i in range(64)
+    }
+    # 64 query heads over 8 kv heads: for each kv head 8 queries, a key and a value.
+    assert shapes["layers_63"]["attn"]["qkv_proj"].shape == (5120, 8, 10, 128)
+    assert shapes["layers_0"]["mlp"]["gate_up_proj"].shape == (5120, 2, 25600)
+    assert shapes["layers_0"]["mlp"]["down_proj"].shape == (25600, 5120)
     assert shapes["lm_head"].shape == (5120, 151936)
     assert shapes["embed"].dtype == jax.numpy.bfloat16
 

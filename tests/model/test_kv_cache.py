@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, write_kv
-from jaxllm.model.layouts import unstack_layers
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params
 
 from .helpers import Chunk, build_inputs, small_config
@@ -57,11 +56,8 @@ def test_many_padding_rows_write_nowhere():
     np.testing.assert_array_equal(np.asarray(cache.values), -expected_keys)
 
 
-@pytest.mark.parametrize("layers", ["scan", "loop"])
-def test_jitted_forward_updates_the_donated_cache_in_place(layers):
+def test_jitted_forward_updates_the_donated_cache_in_place():
     params = init_params(CONFIG, seed=0)
-    if layers == "loop":
-        params = unstack_layers(params)
     cache = allocate_kv_cache(CONFIG, num_blocks=256, block_size=16)
     inputs = build_inputs([Chunk([1, 2, 3, 4, 5], 0, [7])], 16, tile_size=4, table_width=2)
     step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import KVCache, allocate_kv_cache, write_kv
 from jaxllm.model.layers import apply_rotary, rotary_cos_sin
-from jaxllm.model.layouts import fuse_projections
 from jaxllm.model.qkv_kernel import kernel_fits, norm_rope_write
 from jaxllm.model.qwen3 import forward, init_params
 
@@ -98,22 +98,21 @@ def decode_step_case(config: Qwen3Config):
 
 
 def test_pallas_decode_steps_take_the_kernel_and_agree():
-    """With fused q/k/v, the "pallas" backend's decode step runs the kernel (interpreted here)
-    and gives the logits and cache of the unfused step, which runs the jax.numpy ops."""
-    config = small_config(
-        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, attention_backend="pallas"
-    )
+    """The "pallas" kernels' decode step runs the kernel (interpreted here) and gives the logits
+    and cache of the portable step, which runs the jax.numpy ops."""
+    config = small_config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32)
     params, cache, decode = decode_step_case(config)
-    fused = fuse_projections(params)
+    pallas = Kernels(decode="pallas", interpret=True)
 
-    def kernels(params) -> str:
-        return str(jax.make_jaxpr(forward, static_argnums=1)(params, config, cache, decode))
+    def jaxpr(kernels) -> str:
+        make = jax.make_jaxpr(forward, static_argnums=(1, 4))
+        return str(make(params, config, cache, decode, kernels))
 
-    assert "jaxllm_norm_rope_write" in kernels(fused)
-    assert "jaxllm_norm_rope_write" not in kernels(params)
-    step = jax.jit(forward, static_argnums=1)
-    logits, with_kernel = step(fused, config, cache, decode)
-    expected_logits, expected = step(params, config, cache, decode)
+    assert "jaxllm_norm_rope_write" in jaxpr(pallas)
+    assert "jaxllm_norm_rope_write" not in jaxpr(Kernels())
+    step = jax.jit(forward, static_argnums=(1, 4))
+    logits, with_kernel = step(params, config, cache, decode, pallas)
+    expected_logits, expected = step(params, config, cache, decode, Kernels())
     assert relative_error(logits, expected_logits) <= 1e-5
     assert relative_error(with_kernel.keys, expected.keys) <= 1e-6
     assert relative_error(with_kernel.values, expected.values) <= 1e-6

@@ -15,13 +15,8 @@ import pytest
 from sampling_reference import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
-from jaxllm.model.sampler import (
-    SAMPLER_MODES,
-    SamplingInputs,
-    fold_seed,
-    sample,
-    sampler_mode,
-)
+from jaxllm.model.inputs import SamplingInputs, fold_seed
+from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode
 from jaxllm.sampling_params import SamplingParams
 
 NUM_DRAWS = 4096

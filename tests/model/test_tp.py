@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jax.sharding import NamedSharding
 
+from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.layouts import stack_layers, unstack_layers
 from jaxllm.model.loader import load_hf_checkpoint
-from jaxllm.model.qwen3 import forward, init_params, param_specs, sharded_forward
+from jaxllm.model.qwen3 import forward, init_params, sharded_forward
 from jaxllm.model.sharding import (
     check_tensor_parallel,
     gspmd_partitioner,
@@ -32,23 +31,24 @@ from .helpers import Chunk, build_inputs, relative_error
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 8, 4, 64, 128, 2
 BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 8, 16, 4
 
-# Param path -> the axis sharded over "tp" (None: replicated), in the global shape.
+# Param path ("layer" for any "layers_{i}") -> the axis sharded over "tp" (None: replicated).
 SHARDED_AXIS = {
     ("embed",): 0,
     ("lm_head",): 1,
     ("final_norm", "scale"): None,
-    ("layers", "attn_norm", "scale"): None,
-    ("layers", "mlp_norm", "scale"): None,
-    ("layers", "attn", "q_norm", "scale"): None,
-    ("layers", "attn", "k_norm", "scale"): None,
-    ("layers", "attn", "q_proj"): 2,
-    ("layers", "attn", "k_proj"): 2,
-    ("layers", "attn", "v_proj"): 2,
-    ("layers", "attn", "o_proj"): 1,
-    ("layers", "mlp", "gate_proj"): 2,
-    ("layers", "mlp", "up_proj"): 2,
-    ("layers", "mlp", "down_proj"): 1,
+    ("layer", "attn_norm", "scale"): None,
+    ("layer", "mlp_norm", "scale"): None,
+    ("layer", "attn", "q_norm", "scale"): None,
+    ("layer", "attn", "k_norm", "scale"): None,
+    ("layer", "attn", "qkv_proj"): 1,
+    ("layer", "attn", "o_proj"): 0,
+    ("layer", "mlp", "gate_up_proj"): 2,
+    ("layer", "mlp", "down_proj"): 0,
 }
+
+
+def sharded_axis(name: tuple[str, ...]) -> int | None:
+    return SHARDED_AXIS[("layer", *name[1:]) if name[0].startswith("layers_") else name]
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
@@ -74,7 +74,7 @@ def test_loaded_params_are_sharded_blocks_of_the_unsharded_ones(checkpoint, tp):
     expected = leaves_by_path(reference)
     assert set(leaves_by_path(params)) == set(expected)
     for name, array in leaves_by_path(params).items():
-        axis = SHARDED_AXIS[name]
+        axis = sharded_axis(name)
         local_shape = list(array.shape)
         if axis is not None:
             local_shape[axis] //= tp
@@ -102,34 +102,16 @@ def test_random_init_and_orbax_are_sharded_and_mesh_independent(tmp_path):
     config = tiny_config(tie_word_embeddings=False, dtype="float32")
     unsharded = init_params(config, seed=3)
     sharded = init_params(config, seed=3, mesh=make_mesh(2))
-    q_proj = sharded["layers"]["attn"]["q_proj"]
-    assert q_proj.addressable_shards[0].data.shape == (LAYERS, HIDDEN, HEADS // 2, HEAD_DIM)
+    qkv_proj = sharded["layers_0"]["attn"]["qkv_proj"]
+    group = HEADS // KV_HEADS
+    assert qkv_proj.addressable_shards[0].data.shape == (HIDDEN, KV_HEADS // 2, group + 2, HEAD_DIM)
     jax.tree.map(np.testing.assert_array_equal, sharded, unsharded)
 
     save_params(tmp_path / "ckpt", config, sharded)
     _, restored = load_params(tmp_path / "ckpt", mesh=make_mesh(4))
-    down_proj = restored["layers"]["mlp"]["down_proj"]
-    assert down_proj.addressable_shards[0].data.shape == (LAYERS, 288 // 4, HIDDEN)
+    down_proj = restored[f"layers_{LAYERS - 1}"]["mlp"]["down_proj"]
+    assert down_proj.addressable_shards[0].data.shape == (288 // 4, HIDDEN)
     jax.tree.map(np.testing.assert_array_equal, restored, unsharded)
-
-
-def test_unstacked_layers_are_the_stacked_slices_sharded_as_their_specs():
-    config = tiny_config(dtype="float32")
-    mesh = make_mesh(2)
-    stacked = init_params(config, seed=5, mesh=mesh)
-    kept = jax.tree.map(np.asarray, stacked)
-
-    unstacked = unstack_layers(stacked)
-
-    assert "layers" not in stacked  # moved out, so each stacked array is freed once sliced
-    specs = param_specs(config, scan_layers=False)
-    assert jax.tree.structure(unstacked) == jax.tree.structure(specs)
-    for array, spec in zip(jax.tree.leaves(unstacked), jax.tree.leaves(specs), strict=True):
-        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
-    for i in range(LAYERS):
-        layer = jax.tree.map(lambda x, i=i: x[i], kept["layers"])
-        jax.tree.map(np.testing.assert_array_equal, unstacked[f"layers_{i}"], layer)
-    jax.tree.map(np.testing.assert_array_equal, stack_layers(unstacked), kept)
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -151,12 +133,12 @@ def test_sharded_loading_sends_each_device_its_block_only(tmp_path, monkeypatch,
     config, params = load_hf_checkpoint(tmp_path, progress=False, mesh=make_mesh(tp))
     monkeypatch.undo()
 
-    stacked_ffn_bytes = LAYERS * ffn * HIDDEN * 4
+    gate_up_bytes = HIDDEN * 2 * ffn * 4  # one layer's gate_up_proj, the largest param
     model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     sharded_bytes = model_bytes - sum(
-        leaf.nbytes for name, leaf in leaves_by_path(params).items() if SHARDED_AXIS[name] is None
+        leaf.nbytes for name, leaf in leaves_by_path(params).items() if sharded_axis(name) is None
     )
-    assert max(nbytes for nbytes, _ in sent) == stacked_ffn_bytes // tp
+    assert max(nbytes for nbytes, _ in sent) == gate_up_bytes // tp
     for device in jax.devices()[:tp]:
         received = sum(nbytes for nbytes, target in sent if target == device)
         assert received == (model_bytes - sharded_bytes) + sharded_bytes // tp
@@ -232,11 +214,11 @@ def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp, gspmd):
         assert relative_error(got[-1][row], hf) <= 1e-4
 
 
-def test_only_flash_steps_under_a_mesh_use_the_gspmd_partitioner():
-    config = tiny_config()
+def test_only_steps_with_custom_calls_under_a_mesh_use_the_gspmd_partitioner():
     default = jax.config.jax_use_shardy_partitioner
-    cases = [("flash", 2, False), ("flash", 1, default), ("reference", 2, default)]
-    for backend, tp, shardy in cases:
-        with partitioner_for(config.replace(attention_backend=backend), make_mesh(tp)):
+    flash, portable = Kernels("flash", "pallas"), Kernels()
+    cases = [(flash, 2, False), (flash, 1, default), (portable, 2, default)]
+    for kernels, tp, shardy in cases:
+        with partitioner_for(make_mesh(tp), kernels.custom_calls):
             assert jax.config.jax_use_shardy_partitioner is shardy
         assert jax.config.jax_use_shardy_partitioner is default

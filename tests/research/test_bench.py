@@ -39,7 +39,7 @@ def test_bench_record_on_the_cpu(tmp_path, capsys):
     }
     assert all(seconds >= 0 for seconds in phases.values())
     assert sum(phases.values()) <= record["startup_s"]
-    assert record["scan_layers"] is True  # the CPU's default
+    assert record["attention_kernels"]["decode"] == "reference"  # the CPU's default
 
 
 @pytest.mark.parametrize("flag", ["--max-input-len", "--max-output-len"])

@@ -1,0 +1,66 @@
+"""What the platform module decides for each kind of machine, without one of them: the
+attention kernels, the param dtype, the prefill tile, the embedded default."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm.model.attention import Kernels
+from jaxllm.model.decode_attention import tile_rows
+from jaxllm.platform import ATTENTION_ENV, Platform
+
+CPU = Platform("cpu", "cpu")
+H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
+H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
+ROCM = Platform("gpu", "AMD Instinct MI300X")
+
+
+def test_kernel_tiles():
+    assert tile_rows(256, 8) == 64  # 8 tokens x 8 kv heads
+    assert tile_rows(16, 1) == 16
+    assert tile_rows(8, 1) is None  # 8 rows: below the kernel's smallest tile
+    assert tile_rows(256, 3) is None  # 64 rows are not a multiple of 3 kv heads
+
+
+@pytest.mark.parametrize(
+    ("platform", "block_size", "kv_heads", "expected"),
+    [
+        (CPU, 256, 8, Kernels("reference", "reference", interpret=True)),
+        (ROCM, 256, 8, Kernels("reference", "reference", interpret=True)),
+        (H200_WITHOUT_FA3, 256, 8, Kernels("reference", "pallas")),
+        (H200, 256, 8, Kernels("flash", "pallas")),
+        (H200, 256, 1, Kernels("flash", "pallas")),  # 64 tokens x 1 kv head
+        (H200, 8, 1, Kernels("flash", "flash")),  # 8 tokens x 1 kv head: no tile for the kernel
+        (H200_WITHOUT_FA3, 8, 1, Kernels("reference", "reference")),
+    ],
+)
+def test_auto_picks_the_pallas_kernel_on_nvidia_gpus_where_it_has_a_tile(
+    platform, block_size, kv_heads, expected
+):
+    assert platform.kernels(block_size, kv_heads) == expected
+
+
+def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu():
+    assert CPU.replace(attention_backend="pallas").kernels(256, 8) == Kernels(
+        "reference", "pallas", interpret=True
+    )
+    assert H200.replace(attention_backend="reference").kernels(256, 8) == Kernels()
+    assert H200_WITHOUT_FA3.replace(attention_backend="flash").kernels(256, 8) == Kernels(
+        "flash", "flash"
+    )
+
+
+def test_the_environment_names_the_backend(monkeypatch):
+    monkeypatch.setenv(ATTENTION_ENV, "pallas")
+    assert Platform.detect().attention_backend == "pallas"
+    monkeypatch.setenv(ATTENTION_ENV, "flash3")
+    with pytest.raises(ValueError, match=r"JAXLLM_ATTENTION_BACKEND must be one of .*pallas"):
+        Platform.detect()
+
+
+def test_gpu_and_cpu_defaults():
+    assert (H200.dtype, H200.prefill_tile) == ("bfloat16", 128)
+    assert (CPU.dtype, CPU.prefill_tile) == (None, 16)  # None: the checkpoint's own dtype
+    assert H200.default_model == "random:qwen3-0.6b" and H200.default_engine_kwargs == {}
+    assert CPU.default_model == "random:qwen3-tiny"
+    assert CPU.default_engine_kwargs["compile_at_startup"] is False
