@@ -17,13 +17,13 @@ from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
-from jaxllm.engine import Engine
+from jaxllm.detokenizer import IncrementalDetokenizer
+from jaxllm.engine import Request
 from jaxllm.model.attention import Kernels
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
-from jaxllm.runner import COMPILATIONS
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.tokenizer import IncrementalDetokenizer
+from jaxllm.startup import start_engine
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -65,7 +65,7 @@ class LLM:
             kwargs = platform.default_engine_kwargs | kwargs
         self.model = os.fspath(model) if model else platform.default_model
         self.config = EngineConfig(**kwargs)
-        self.engine = Engine(self.model, self.config, platform)
+        self.engine = start_engine(self.model, self.config, platform)
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
         self._seed_counter = itertools.count(1)
@@ -81,7 +81,7 @@ class LLM:
 
     @property
     def num_kvcache_blocks(self) -> int:
-        return self.engine.scheduler_config.num_blocks
+        return self.engine.scheduler.config.num_blocks
 
     @property
     def num_executables(self) -> int:
@@ -106,7 +106,7 @@ class LLM:
     @property
     def num_compilations_since_startup(self) -> int:
         """XLA executables built in this process since this engine finished starting."""
-        return COMPILATIONS.count - self.engine.compilations_at_startup
+        return self.engine.runner.num_compiled - self.engine.compiled_at_startup
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
@@ -122,7 +122,7 @@ class LLM:
 
         save_params(path, self.engine.model_config, self.engine.runner.params)
         self.tokenizer.save_pretrained(path)
-        eos = list(self.engine.scheduler_config.eos_token_ids)
+        eos = list(self.engine.scheduler.config.eos_token_ids)
         (Path(path) / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos}, indent=2) + "\n"
         )
@@ -149,14 +149,7 @@ class LLM:
                 vocabulary, a request that can never fit in the KV cache, or a sampling_params
                 list of the wrong length. Nothing of the call runs then.
         """
-        texts, token_lists = self._tokenize(prompts)
-        params = self._params_per_prompt(sampling_params, len(token_lists))
-        for index, (tokens, param) in enumerate(zip(token_lists, params, strict=True)):
-            try:
-                self.engine.validate(tokens, param)
-            except ValueError as error:
-                raise ValueError(f"prompt {index}: {error}") from None
-        return self._run(texts, token_lists, params, use_tqdm)
+        return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
     def chat(
         self,
@@ -189,16 +182,16 @@ class LLM:
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
         """
-        texts, token_lists = self._tokenize(prompt if not isinstance(prompt, str) else [prompt])
-        if len(token_lists) != 1:
-            raise ValueError(f"stream() takes one prompt, got {len(token_lists)}")
-        (param,) = self._params_per_prompt(sampling_params, 1)
-        self.engine.validate(token_lists[0], param)
-        return self._stream(texts[0], token_lists[0], param)
+        requests = self._requests(
+            prompt if not isinstance(prompt, str) else [prompt], sampling_params
+        )
+        if len(requests) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(requests)}")
+        return self._stream(requests[0])
 
-    def _stream(self, text: str | None, tokens: list[int], param: SamplingParams):
-        (request_id,) = self._add_all([text], [tokens], [param])
-        seq = self.engine.sequence(request_id)
+    def _stream(self, request: Request):
+        self.engine.add(request)
+        request_id, seq, param = request.request_id, request.seq, request.seq.params
         detokenizer = IncrementalDetokenizer(self.tokenizer, param.skip_special_tokens)
         hold_back = max(len(stop) for stop in param.stop) - 1 if param.stop else 0
         num_sent_tokens = num_sent_chars = 0
@@ -215,7 +208,7 @@ class LLM:
                     return
                 if not self.engine.has_request(request_id):
                     raise RuntimeError(f"request {request_id} was aborted")
-                new_tokens = seq.known_output_token_ids[num_sent_tokens:]
+                new_tokens = seq.output_token_ids[num_sent_tokens:]
                 if not new_tokens:
                     continue
                 num_sent_tokens += len(new_tokens)
@@ -237,6 +230,23 @@ class LLM:
         for output in finished:
             self._finished[output.request_id] = output
         return [output.request_id for output in finished]
+
+    def _requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[Request]:
+        """The engine's requests for a call, validated before any of them is queued: the one
+        place a call's input is checked."""
+        texts, token_lists = self._tokenize(prompts)
+        params = self._params_per_prompt(sampling_params, len(token_lists))
+        requests = []
+        for index, (text, tokens, param) in enumerate(zip(texts, token_lists, params, strict=True)):
+            try:
+                requests.append(self.engine.new_request(tokens, param, prompt=text))
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
+        return requests
 
     def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -286,25 +296,16 @@ class LLM:
         seed = hash((self.config.seed, next(self._seed_counter))) & (2**63 - 1)
         return dataclasses.replace(param, _derived_seed=seed)
 
-    def _add_all(self, texts, token_lists, params) -> list[int]:
-        ids = []
-        try:
-            for text, tokens, param in zip(texts, token_lists, params, strict=True):
-                ids.append(self.engine.add_request(tokens, param, prompt=text))
-        except BaseException:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
-        return ids
-
-    def _run(self, texts, token_lists, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         before = dataclasses.replace(engine.stats.prefill), dataclasses.replace(engine.stats.decode)
-        ids = self._add_all(texts, token_lists, params)
+        ids = [request.request_id for request in requests]
         pending = set(ids)
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
+            for request in requests:
+                engine.add(request)
             while len(outputs) < len(ids):
                 step_start = time.perf_counter()
                 prefill_tokens = engine.stats.prefill.tokens

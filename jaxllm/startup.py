@@ -1,9 +1,17 @@
-"""What the engine needs before it serves: the compilation cache, the model's files and eos ids,
-and the timing of start-up's phases."""
+"""Start-up: from a model name and the settings to a serving `Engine`.
+
+`start_engine` runs the phases in order, each timed (`Engine.startup_seconds`): load the
+weights, load the tokenizer, size the KV cache from the free device memory, allocate it, and,
+unless compilation is left to the first steps, compile the ladder's executables (or load them
+from the persistent compilation cache) and run each once.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import json
 import logging
 import os
 import time
@@ -12,7 +20,17 @@ from pathlib import Path
 
 import jax
 
-from jaxllm.model.checkpoint import RANDOM_PREFIX
+from jaxllm.config import EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
+from jaxllm.model.config import Qwen3Config
+from jaxllm.model.kv_cache import kv_cache_bytes_per_block
+from jaxllm.model.qwen3 import Params
+from jaxllm.model.sharding import make_mesh
+from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
+from jaxllm.runner import ModelRunner, step_scratch_bytes
+from jaxllm.sched import BucketLadder, Scheduler, SchedulerConfig
+from jaxllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +82,6 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
         ids.add(int(tokenizer.eos_token_id))
     generation_config = Path(model_path) / "generation_config.json"
     if generation_config.is_file():
-        import json
-
         eos = json.loads(generation_config.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else eos or [])
     return tuple(sorted(ids))
@@ -79,3 +95,114 @@ def timed_phase(seconds: dict[str, float], name: str) -> Iterator[None]:
     elapsed = time.perf_counter() - start
     seconds[name] = seconds.get(name, 0.0) + elapsed
     logger.info("%s: %.1f s", name, elapsed)
+
+
+def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine:
+    """A ready engine for `model` (a directory, a Hub id or "random:<shape>").
+
+    Raises:
+        ValueError: an unsupported model, a tensor-parallel size that does not divide it, or a
+            KV cache too small for one max_model_len request.
+        FileNotFoundError: a model that is neither a directory nor downloadable.
+    """
+    configure_compilation_cache()
+    seconds: dict[str, float] = {}
+    phase = functools.partial(timed_phase, seconds)
+    path = resolve_model(model)
+    # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
+    mesh = make_mesh(config.tensor_parallel_size)
+    with phase("load weights"):
+        dtype = config.dtype or platform.dtype
+        model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
+    kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
+    kernels = platform.kernels(config.kvcache_block_size, kv_heads)
+    is_random = path.startswith(RANDOM_PREFIX)
+    with phase("load the tokenizer"):
+        tokenizer = load_tokenizer(None if is_random else path)
+    # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
+    # embedded default.
+    eos = (
+        (tokenizer.eos_token_id, tokenizer.pad_token_id)
+        if is_random
+        else eos_token_ids(tokenizer, path)
+    )
+    tile = platform.prefill_tile
+    block_size = config.kvcache_block_size
+    settings = SchedulerConfig(
+        num_blocks=1,  # settled below, once the ladder tells the largest step
+        block_size=block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max(tile, config.max_num_batched_tokens // tile * tile),
+        max_model_len=config.max_model_len,
+        prefill_tile=tile,
+        enable_prefix_caching=config.enable_prefix_caching,
+        eos_token_ids=tuple(int(t) for t in eos if t is not None),
+    )
+    # NOTE: FA3 reads only each sequence's context, so the table width does not change its
+    # work: every table is padded to the widest (fewer executables). The portable attention
+    # gathers whole tables.
+    ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
+    with phase("size the KV cache"):
+        num_blocks = config.num_kvcache_blocks or fit_num_blocks(
+            config, model_config, params, ladder, mesh, kernels, platform
+        )
+    if num_blocks * block_size < config.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+            f"({num_blocks * block_size} tokens), less than one request of max_model_len="
+            f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
+            "max_model_len"
+        )
+    settings = dataclasses.replace(settings, num_blocks=num_blocks)
+    scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
+    with phase("allocate the KV cache"):
+        runner = ModelRunner(
+            model_config,
+            params,
+            kernels=kernels,
+            mesh=mesh,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_sampled_rows=max(bucket.num_sampled for bucket in ladder.buckets()),
+        )
+    if config.compile_at_startup:
+        with phase("compile"):
+            runner.compile(ladder.buckets())
+        with phase("warm up"):
+            runner.warm_up()
+        runner.warn_on_compile = True
+    return Engine(scheduler, runner, tokenizer, seconds)
+
+
+def fit_num_blocks(
+    config: EngineConfig,
+    model_config: Qwen3Config,
+    params: Params,
+    ladder: BucketLadder,
+    mesh: jax.sharding.Mesh,
+    kernels,
+    platform: Platform,
+) -> int:
+    """KV blocks that fit in `memory_fraction` of the device beside the params and the scratch
+    memory of the largest step (measured by compiling it over a one-block cache); on a CPU, the
+    blocks of max_num_seqs max_model_len requests within `CPU_KV_CACHE_BYTES`."""
+    block_size = config.kvcache_block_size
+    per_block = kv_cache_bytes_per_block(
+        model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
+    )
+    blocks_per_seq = -(-config.max_model_len // block_size)
+    if not platform.gpu:
+        wanted = config.max_num_seqs * blocks_per_seq
+        return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit", 0) * config.memory_fraction
+    largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
+    scratch = step_scratch_bytes(model_config, params, largest, block_size, mesh, kernels)
+    if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
+        c = model_config
+        scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
+        scratch += config.max_num_seqs * c.vocab_size * 4 * 4
+    # NOTE: the params are already on the device, counted in bytes_in_use; the sampler's
+    # scratch is small beside the largest step's and comes out of the 10% margin.
+    free = limit - scratch - stats.get("bytes_in_use", 0)
+    return max(1, int(free // per_block))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -349,79 +348,3 @@ def _save_atomically(tokenizer, path: Path) -> None:
                 os.remove(tmp)
     except OSError:
         pass
-
-
-def decode_tokens(
-    tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int], skip_special_tokens: bool = True
-) -> str:
-    """Decodes token ids to text, never raising on ids the tokenizer does not know.
-
-    A model's vocab (151,936 for Qwen3) is padded beyond the tokenizer's (151,669); such ids, and
-    negative ones, decode to nothing.
-    """
-    return tokenizer.decode(
-        _known_ids(tokenizer, token_ids), skip_special_tokens=skip_special_tokens
-    )
-
-
-def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
-    size = len(tokenizer)
-    return [int(t) for t in token_ids if 0 <= int(t) < size]
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, for streaming output.
-
-    A character whose UTF-8 bytes span several tokens is held back until it is complete (a
-    decoded window that ends in U+FFFD is not emitted yet), so the concatenated deltas plus
-    `finish()` equal the full decode. Each step decodes only a short window of recent tokens
-    (vLLM's prefix/read offsets), not the whole output.
-
-    Mutates: its window of recent token ids and `text` (everything emitted so far).
-    """
-
-    # NOTE: a few prompt tokens of context, as vLLM keeps, so the first delta decodes in context.
-    _NUM_PROMPT_TOKENS_KEPT = 5
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerFast,
-        skip_special_tokens: bool = True,
-        prompt_token_ids: Sequence[int] = (),
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids)[-self._NUM_PROMPT_TOKENS_KEPT :]
-        self._window = _known_ids(tokenizer, context)
-        self._read_offset = len(self._window)
-        self.text = ""
-
-    def step(self, token_ids: int | Iterable[int]) -> str:
-        """Adds new token ids; returns the text they complete (possibly "")."""
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._window.extend(_known_ids(self._tokenizer, token_ids))
-        prefix_text = self._decode(self._window[: self._read_offset])
-        new_text = self._decode(self._window)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self._window = self._window[self._read_offset :]
-        self._read_offset = len(self._window)
-        self.text += delta
-        return delta
-
-    def finish(self) -> str:
-        """Returns the text still held back; call it once the stream ended.
-
-        An incomplete trailing character decodes to U+FFFD, as in the full decode.
-        """
-        prefix_text = self._decode(self._window[: self._read_offset])
-        new_text = self._decode(self._window)
-        delta = new_text[len(prefix_text) :]
-        self._read_offset = len(self._window)
-        self.text += delta
-        return delta
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

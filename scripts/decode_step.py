@@ -27,14 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model.attention import get_attention_backend
+from jaxllm.model.attention import attend
 from jaxllm.model.checkpoint import load_params
-from jaxllm.model.flash_attention import flash_available
-from jaxllm.model.inputs import ModelInputs
+from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from jaxllm.model.layouts import fuse_projections, is_fused, is_stacked, unstack_layers
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
-from jaxllm.model.sampler import SamplingInputs, sample
+from jaxllm.model.sampler import sample
+from jaxllm.platform import ATTENTION_BACKENDS, Platform
 
 
 def timed(fn, *args, repeats: int = 20) -> float:
@@ -149,43 +148,31 @@ def main() -> None:
         default=None,
         help="draw each sequence's context uniformly from [this, --context] (seed 0)",
     )
-    gpu = jax.default_backend() == "gpu"
-    parser.add_argument("--attention", default="pallas" if gpu else "reference")
+    parser.add_argument(
+        "--attention", choices=ATTENTION_BACKENDS, default=None, help="default: the platform's"
+    )
     parser.add_argument("--table-width", type=int, default=None, help="default: the engine's")
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
-    parser.add_argument(
-        "--layers",
-        choices=("scan", "loop"),
-        default="loop" if gpu else "scan",
-        help="scan over stacked layer weights, or loop over one buffer per layer (EngineConfig's "
-        "scan_layers; default as the engine's)",
-    )
-    parser.add_argument(
-        "--fuse-projections",
-        action=argparse.BooleanOptionalAction,
-        default=gpu,
-        help="EngineConfig.fuse_projections (default as the engine's)",
-    )
     args = parser.parse_args()
 
-    backend = args.attention
-    config, params = load_params(args.model)
-    if args.layers == "loop":  # EngineConfig(scan_layers=False), see qwen3.py
-        params = unstack_layers(params)
-    if args.fuse_projections:
-        params = fuse_projections(params)
-    config = config.replace(attention_backend=backend)
-    # Block tables as wide as the engine's (Engine.__init__, `one_width`): with FA3 prefilling,
-    # every table as wide as max_model_len (4,096) needs; else the power of two the context needs.
+    platform = Platform.detect()
+    if args.attention:
+        platform = platform.replace(attention_backend=args.attention)
+    config, params = load_params(args.model, dtype=platform.dtype)
     block_size = 256
+    kernels = platform.kernels(block_size, config.num_kv_heads)
+    # Block tables as wide as the engine's (`start_engine`, `one_width`): with FA3 prefilling,
+    # every table as wide as max_model_len (4,096) needs; else the power of two the context needs.
     width = 1 << (-(-args.context // block_size) - 1).bit_length()
-    if backend == "flash" or (backend == "pallas" and flash_available()):
+    if kernels.prefill == "flash":
         width = max(width, 4096 // block_size)
     width = args.table_width or width
     contexts = np.full(args.batch, args.context)
     if args.min_context is not None:
         contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)
-    step = jax.jit(forward, static_argnums=1, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
+    step = jax.jit(
+        forward, static_argnums=(1, 4), donate_argnums=2, compiler_options=COMPILER_OPTIONS
+    )
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
     sampling = SamplingInputs(
         temperature=jnp.full((args.batch,), 0.6, jnp.float32),
@@ -203,7 +190,7 @@ def main() -> None:
     full_blocks = max(64, free // kv_cache_bytes_per_block(config, block_size))
 
     def run(inputs):
-        logits, holder["cache"] = step(params, config, holder["cache"], inputs)
+        logits, holder["cache"] = step(params, config, holder["cache"], inputs, kernels)
         return logits
 
     # Every sequence reads the same 64 blocks: the same work on either cache.
@@ -226,12 +213,12 @@ def main() -> None:
     key_pool, value_pool = cache.layer_views()
     num_heads = config.num_heads
     q = jax.random.normal(jax.random.key(0), (args.batch, num_heads, config.head_dim), jnp.bfloat16)
-    attend = jax.jit(get_attention_backend(backend))
-    one_layer = timed(attend, q.astype(key_pool.dtype), key_pool, value_pool, shared)
+    attention = jax.jit(functools.partial(attend, kernels=kernels))
+    one_layer = timed(attention, q.astype(key_pool.dtype), key_pool, value_pool, shared)
     layers = config.num_layers
-    rows.append((f"attention ({backend}) x {layers} layers, 64 blocks", one_layer * layers))
+    rows.append((f"attention ({kernels.decode}) x {layers} layers, 64 blocks", one_layer * layers))
 
-    qwen3_recommended = sampling.replace(
+    qwen3_recommended = sampling._replace(
         top_k=jnp.full((args.batch,), 20, jnp.int32), top_p=jnp.full((args.batch,), 0.95)
     )
     top_k_sampler = jax.jit(functools.partial(sample, mode="top-k"))
@@ -241,10 +228,8 @@ def main() -> None:
 
     kv_bytes = int(contexts.sum()) * kv_cache_bytes_per_block(config, 1)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    layout = "stacked weights, scan" if is_stacked(params) else "a buffer per layer, loop"
-    layout += ", fused q/k/v and gate/up" if is_fused(params) else ""
     span = f"{contexts.min()}-{contexts.max()}" if args.min_context is not None else args.context
-    print(f"\n{args.model}, batch {args.batch}, context {span}, {backend}, {layout}")
+    print(f"\n{args.model}, batch {args.batch}, context {span}, {kernels}")
     print(f"bytes per step: KV {kv_bytes / 1e9:.2f} GB, weights {weight_bytes / 1e9:.2f} GB")
     print(f"bound at 4.3 TB/s: {(kv_bytes + weight_bytes) / 4.3e12 * 1e3:.2f} ms")
     for name, seconds in rows:

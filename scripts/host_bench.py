@@ -1,4 +1,5 @@
-"""Host cost of one engine step without a model: `Scheduler.schedule()` + `BatchBuilder.build()`.
+"""Host cost of one engine step without a model: `Scheduler.schedule()` (the plan and its
+padded arrays) and `Scheduler.update()`.
 
     python scripts/host_bench.py [--iterations 300]
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import BatchBuilder, Scheduler, SchedulerConfig
+from jaxllm.sched import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 256
 BUDGET = 16384
@@ -44,8 +45,12 @@ def run_all_prefills(scheduler: Scheduler) -> None:
     while scheduler.waiting or any(
         s.num_tokens - s.num_computed_tokens > 1 for s in scheduler.running
     ):
-        batch = scheduler.schedule()
-        scheduler.update(batch, np.ones(batch.num_seqs, np.int32))
+        plan = scheduler.schedule()
+        scheduler.update(plan, np.ones(plan.num_seqs, np.int32))
+
+
+def add(scheduler: Scheduler, prompt, params: SamplingParams) -> None:
+    scheduler.add(scheduler.new_sequence(prompt, params))
 
 
 def timed(setup: Callable[[], Callable[[], object]], iterations: int) -> list[float]:
@@ -61,22 +66,22 @@ def timed(setup: Callable[[], Callable[[], object]], iterations: int) -> list[fl
 
 def bench_decode(iterations: int) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
-    scheduler = Scheduler(make_config(4096, 2048))
-    builder = BatchBuilder(scheduler.config)
+    scheduler = Scheduler(make_config(4096, 4096))
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2048, ignore_eos=True)
     for _ in range(256):
-        scheduler.add(rng.integers(0, 150_000, int(rng.integers(900, 1100))), params)
+        add(scheduler, rng.integers(0, 150_000, int(rng.integers(900, 1100))), params)
     run_all_prefills(scheduler)
-    step = lambda: builder.build(scheduler.schedule())  # idempotent without an update
-    schedule_and_build = timed(lambda: step, iterations)
     tokens = np.ones(256, np.int32)
-
-    def setup_update() -> Callable[[], object]:
-        batch = scheduler.schedule()
-        return lambda: scheduler.update(batch, tokens)
-
-    update = timed(setup_update, iterations)
-    return {"decode-256 schedule+build": schedule_and_build, "decode-256 update": update}
+    schedule, update = [], []
+    for _ in range(iterations):  # whole decode steps, each planned and updated
+        start = time.perf_counter()
+        plan = scheduler.schedule()
+        planned = time.perf_counter()
+        scheduler.update(plan, tokens)
+        schedule.append((planned - start) * 1e6)
+        update.append((time.perf_counter() - planned) * 1e6)
+    assert plan.num_seqs == 256 and not plan.is_prefill
+    return {"decode-256 schedule": schedule, "decode-256 update": update}
 
 
 def bench_prefill(
@@ -91,18 +96,17 @@ def bench_prefill(
 
     def setup() -> Callable[[], object]:
         scheduler = Scheduler(config)
-        builder = BatchBuilder(config)
         if shared:
             for prompt in prompts:
-                scheduler.add(prompt, params)
+                add(scheduler, prompt, params)
             while scheduler.has_unfinished():
-                batch = scheduler.schedule()
-                scheduler.update(batch, np.ones(batch.num_seqs, np.int32))
+                plan = scheduler.schedule()
+                scheduler.update(plan, np.ones(plan.num_seqs, np.int32))
         for prompt in prompts:
-            scheduler.add(prompt[: 3 * prompt_len // 4].tolist() + [7] * (prompt_len // 4), params)
-        return lambda: builder.build(scheduler.schedule())
+            add(scheduler, prompt[: 3 * prompt_len // 4].tolist() + [7] * (prompt_len // 4), params)
+        return scheduler.schedule
 
-    return {f"{name} schedule+build": timed(setup, iterations)}
+    return {f"{name} schedule": timed(setup, iterations)}
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Runs bench.py's workload (nano-vllm's, 256 sequences) after a warm-up, and either
 - profiles the host with cProfile (the default) and prints the functions with the most own time
   and the most cumulative time. Time spent waiting for the device shows under the call that
-  reads the sampled tokens (`Engine._apply_in_flight` -> `numpy.asarray`); the rest of
+  reads the sampled tokens (`Engine._update` -> `numpy.asarray`); the rest of
   `Engine.step` is host work; or
 - with `--device`, traces the device with JAX's profiler and prints its kernel time by kind
   (as `decode_step.py --profile`) against the wall time: what the device did over the whole
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import tempfile
 import time
@@ -22,17 +23,20 @@ import jax
 from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV
 from jaxllm.research.bench import workload
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--device", action="store_true", help="trace the device, not the host")
     args = parser.parse_args()
-    llm = LLM(args.model, attention_backend=args.attention)
+    if args.attention:
+        os.environ[ATTENTION_ENV] = args.attention
+    llm = LLM(args.model)
     prompts, max_tokens = workload(args.num_seqs, 1024, 1024)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)

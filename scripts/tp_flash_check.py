@@ -1,7 +1,7 @@
 """Where does FlashAttention-3 under shard_map break? `python scripts/tp_flash_check.py`
 
-On two H200s (jax 0.11.2, 2026-11-30) XLA segfaulted compiling the model step with the "flash"
-backend inside shard_map. This runs each case in a child process (so a segfault ends only that
+On two H200s (jax 0.11.2) XLA segfaulted compiling the model step with FlashAttention-3's
+kernels inside shard_map. This runs each case in a child process (so a segfault ends only that
 case) and prints a table. A case is a base and options joined by "+".
 Bases: "fa3-jit" (FA3 alone, one device), "fa3-shard-map" (FA3 alone in shard_map over the kv
 heads, two devices), "fa3-shard-map-scan" (the same inside a `lax.scan` over layers),
@@ -12,7 +12,7 @@ Options: "nocmdbuf" (XLA's CUDA command buffers off), "nolhs" (latency-hiding sc
 (XLA logs each HLO pass; the table shows the last ones before the end), "noshardy" (JAX lowers
 for the GSPMD partitioner instead of Shardy).
 
-Seen on `nvidia-h200-x2`, 2026-11-30: every FA3-alone case compiles and runs (with and without
+Seen on two H200s (2026-11-30): every FA3-alone case compiles and runs (with and without
 shard_map, scan, command buffers); the model step with "flash" at TP=2 segfaults with or without
 command buffers, with one layer, without donation, with the latency-hiding scheduler or async
 collectives off, and runs on a one-device mesh; with "reference" it runs. The last pass XLA
@@ -40,9 +40,9 @@ def run_case(name: str) -> None:
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from jaxllm.model.attention import get_attention_backend
+    from jaxllm.model.attention import Kernels
     from jaxllm.model.config import PRESETS
-    from jaxllm.model.flash_attention import flash_attention  # noqa: F401 (registers "flash")
+    from jaxllm.model.flash_attention import flash_attention
     from jaxllm.model.inputs import ModelInputs
     from jaxllm.model.kv_cache import allocate_kv_cache
     from jaxllm.model.qwen3 import init_params, sharded_forward
@@ -60,7 +60,7 @@ def run_case(name: str) -> None:
     if case.startswith("fa3"):
         q = jnp.ones((batch, heads, head_dim), jnp.bfloat16)
         cache = jnp.ones((blocks, block_size, kv_heads, head_dim), jnp.bfloat16)
-        attend = get_attention_backend("flash")
+        attend = flash_attention
         if case.startswith("fa3-shard-map"):
             mesh = make_mesh(2)
             attend = shard_map(
@@ -81,13 +81,14 @@ def run_case(name: str) -> None:
         out = jax.jit(attend)(q, cache, cache, inputs)
     else:
         backend = case.split("-")[1]
+        kernels = Kernels(backend, backend)
         mesh = make_mesh(1 if "tp1" in options else 2)
         layers = 1 if "1layer" in options else 2
-        config = PRESETS["qwen3-0.6b"].replace(num_layers=layers, attention_backend=backend)
+        config = PRESETS["qwen3-0.6b"].replace(num_layers=layers)
         params = init_params(config, seed=0, mesh=mesh)
         cache = allocate_kv_cache(config, blocks, block_size, mesh=mesh)
         donate = () if "nodonate" in options else 1
-        step = jax.jit(sharded_forward(config, mesh), donate_argnums=donate)
+        step = jax.jit(sharded_forward(config, mesh, kernels), donate_argnums=donate)
         out, _ = step(params, cache, inputs)
     print("finite:", bool(jnp.isfinite(out.astype(jnp.float32)).all()))
 

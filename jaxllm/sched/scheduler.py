@@ -5,8 +5,10 @@ prefill chunks (an unfinished prefill first, then waiting requests in arrival or
 no prefill fits does it run one decode step for every running sequence, preempting the newest
 ones when the cache has no block left for the oldest. See docs/structure.md, "Host side".
 
-The engine loop: `batch = schedule()`, build the descriptor, run the device step, then
-`update(batch, sampled_token_ids)`, which returns the sequences that finished.
+A step is three calls: `plan = schedule()`, the device runs the plan, `update(plan, token_ids)`
+applies its sampled tokens. The engine plans step N + 1 before it updates step N (the device
+runs N meanwhile): `schedule` records what a plan computes, so a sequence whose next token is
+still on the device is planned as computing it, and `update` only adds what the tokens bring.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,37 +24,8 @@ from jaxllm.cache.eviction import EvictionPolicy
 from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.config import SchedulerConfig
-from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, eq=False)
-class ScheduledBatch:
-    """The work of one step, one entry per sequence, in row order.
-
-    Attributes:
-        is_prefill: prefill step (chunks laid out in tiles) or decode step (one token each).
-        seqs: the scheduled sequences.
-        start_positions: each sequence's num_computed_tokens when scheduled: the position of
-            its first new token.
-        num_new_tokens: tokens each sequence computes in this step (its chunk).
-        appends: whether each sequence's sampled token is kept; False for prefill chunks that
-            do not reach the end of the sequence's tokens.
-    """
-
-    is_prefill: bool
-    seqs: list[Sequence]
-    start_positions: list[int]
-    num_new_tokens: list[int]
-    appends: list[bool]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        """Real (unpadded) tokens computed in this step."""
-        return sum(self.num_new_tokens)
+from jaxllm.sched.plan import BucketLadder, StepPlan, plan_step
+from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
 
 class Scheduler:
@@ -61,12 +33,22 @@ class Scheduler:
 
     Every public method but the queries mutates the queues, the sequences it touches and the
     pool. Not thread-safe.
+
+    Args:
+        config: the scheduler's settings.
+        ladder: the step shapes; default `BucketLadder` of `config` (a width per power of two).
+        eviction_policy: the block pool's (see `jaxllm.cache.eviction`).
     """
 
     def __init__(
-        self, config: SchedulerConfig, *, eviction_policy: str | EvictionPolicy = "lru"
+        self,
+        config: SchedulerConfig,
+        *,
+        ladder: BucketLadder | None = None,
+        eviction_policy: str | EvictionPolicy = "lru",
     ) -> None:
         self.config = config
+        self.ladder = ladder or BucketLadder.from_config(config)
         self.block_pool = BlockPool(
             config.num_blocks,
             config.block_size,
@@ -75,6 +57,9 @@ class Scheduler:
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # NOTE: sequences a planned step samples the last token of: their K/V is never read
+        # again, so their blocks go back when that step is planned; `update` finishes them.
+        self.sampling_last: list[Sequence] = []
         self.num_preemptions = 0
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -82,41 +67,27 @@ class Scheduler:
 
     # Requests in and out.
 
-    def validate(
-        self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams
-    ) -> None:
-        """Raises ValueError for a request that could never complete; changes nothing.
-
-        Refused: an empty prompt, ids outside [0, 2**31), a prompt of max_model_len tokens or
-        more, and a request whose prompt plus max_tokens needs more KV blocks than the whole
-        cache.
-        """
-        self._checked(prompt_token_ids, params)
-
-    def add(
-        self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams | None = None
+    def new_sequence(
+        self,
+        prompt_token_ids: SequenceOf[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        stop_strings: StopStringCheck | None = None,
     ) -> Sequence:
-        """Queues a request (mutates the waiting queue); raises ValueError as `validate` does."""
-        params = params or SamplingParams()
-        prompt, max_tokens = self._checked(prompt_token_ids, params)
-        stop_ids = frozenset(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self._eos
-        seq = Sequence(
-            next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids
-        )
-        self.waiting.append(seq)
-        self._live[seq.seq_id] = seq
-        return seq
+        """A request as a `Sequence`, not yet queued (`add` queues it); changes nothing else.
 
-    def _checked(
-        self, prompt_token_ids: SequenceOf[int] | np.ndarray, params: SamplingParams
-    ) -> tuple[np.ndarray, int]:
-        """The prompt as an array and the effective max_tokens, or ValueError."""
+        Raises:
+            ValueError: a request that could never complete: an empty prompt, ids outside
+                [0, 2**31), a prompt of max_model_len tokens or more, or a prompt plus
+                max_tokens needing more KV blocks than the whole cache.
+        """
         cfg = self.config
+        params = params or SamplingParams()
         prompt = np.asarray(prompt_token_ids)
         if prompt.ndim != 1 or len(prompt) == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            raise ValueError(
+                "the prompt is empty or not a list of token ids: prompt_token_ids must be a "
+                "non-empty list of token ids"
+            )
         if prompt.min() < 0 or prompt.max() >= 2**31:
             raise ValueError("token ids must be in [0, 2**31)")
         num_prompt = len(prompt)
@@ -134,26 +105,25 @@ class Scheduler:
                 f"{blocks_needed} KV blocks of {cfg.block_size} tokens, but the whole cache has "
                 f"{cfg.num_blocks}; shorten the request or give the cache more memory"
             )
-        return prompt, max_tokens
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self._eos
+        seq_id = next(self._seq_ids)
+        return Sequence(
+            seq_id, prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
+            stop_strings=stop_strings,
+        )  # fmt: skip
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finishes `seq` early (the engine found a stop string): frees its blocks.
-
-        A sequence already finished is left as it is.
-        """
-        if seq.is_finished:
-            return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        self._release(seq, reason)
+    def add(self, seq: Sequence) -> None:
+        """Queues a sequence made by `new_sequence` (mutates the waiting queue)."""
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes the live sequence `seq_id` with reason "abort"; None if there is none."""
         seq = self._live.get(seq_id)
         if seq is not None:
-            self.finish(seq, "abort")
+            self._finish(seq, "abort")
         return seq
 
     # Queries.
@@ -170,100 +140,87 @@ class Scheduler:
 
     # The step.
 
-    def schedule(self) -> ScheduledBatch | None:
-        """Picks the next step's sequences and tokens; None when nothing is left to run.
+    def schedule(self) -> StepPlan | None:
+        """Plans the next step; None when nothing is left to run.
 
         Mutates: admits waiting sequences (allocating their blocks, prefix hits included),
-        allocates decode slots, and preempts running sequences when blocks run out.
+        allocates decode slots, preempts running sequences when blocks run out, and records
+        what the plan computes: each sequence's computed tokens, and the newly full blocks whose
+        tokens are known, entered into the prefix cache (their K/V is written by this step,
+        before any later step can read it). A sequence whose last token (max_tokens) the plan
+        samples leaves the running list and gives its blocks back.
         """
-        batch = self._schedule_prefill()
-        if batch is None and self.running:
-            batch = self._schedule_decode()
-        if batch is None and self.waiting:
-            # NOTE: unreachable while `add` refuses what can never fit; fail loudly, never hang.
-            raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
-        return batch
+        chunks = self._schedule_prefill() or self._schedule_decode()
+        if chunks is None:
+            if self.waiting and not self.running:
+                # NOTE: unreachable while `new_sequence` refuses what can never fit; fail loudly.
+                raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
+            return None
+        kind, seqs, starts, counts = chunks
+        plan = plan_step(self.ladder, self.config.block_size, kind, seqs, starts, counts)
+        for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
+            end = seq.num_computed_tokens = start + count
+            self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
+            if samples and end + 1 - seq.num_prompt_tokens >= seq.max_tokens:
+                self._release(seq)
+        return plan
 
     def update(
-        self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int] | np.ndarray
+        self, plan: StepPlan, sampled_token_ids: SequenceOf[int] | np.ndarray
     ) -> list[Sequence]:
-        """Records a step's results; returns the sequences it finished (`commit` + `apply`).
+        """Applies a step's sampled tokens; returns the sequences that finished.
 
         Args:
-            batch: what `schedule()` returned for this step.
-            sampled_token_ids: [S >= batch.num_seqs] the step's sampled tokens in row order;
-                rows past num_seqs (padding) and rows of unfinished prefill chunks are ignored.
+            plan: what `schedule()` returned for the step.
+            sampled_token_ids: [S >= plan.num_seqs] the step's sampled tokens in row order;
+                rows past num_seqs (padding) and rows that do not sample are ignored.
+
+        Mutates: appends each sampled token to its sequence (also one preempted since, which
+        prefills it on resumption), enters the block it completes into the prefix cache when a
+        later planned step computes it, and finishes the sequences that stop: a stop token (eos
+        unless ignored, or a stop_token_id) or a stop string once min_tokens are out ("stop"),
+        or max_tokens reached ("length"). Sequences finished since the plan are skipped.
         """
-        finished = self.commit(batch)
-        finished += [seq for seq in self.apply(batch, sampled_token_ids) if seq not in finished]
+        tokens = np.asarray(sampled_token_ids)[: plan.num_seqs].tolist()
+        finished: list[Sequence] = []
+        for seq, samples, token in zip(plan.seqs, plan.samples, tokens, strict=True):
+            if not samples or seq.is_finished:
+                continue
+            position = seq.num_tokens
+            seq.append_token(token)
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
+                self._cache_full_blocks(seq, position, position + 1)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
         return finished
 
-    def commit(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Records what a step computed before its sampled tokens are known.
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `seq` ends with its newest token `token`, if it does."""
+        can_stop = seq.num_output_tokens >= seq.params.min_tokens
+        stopped = token in seq.stop_token_ids and can_stop
+        # NOTE: the stop strings see every token, so their text stays whole.
+        if seq.stop_strings is not None and seq.stop_strings(token):
+            stopped = True
+        if stopped:
+            return "stop"
+        return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
-        The engine calls it right after dispatching the step, so the next step can be scheduled
-        while this one runs on the device; `apply` later gives the tokens their values. Between
-        the two, each appending sequence ends in a `PLACEHOLDER` token, which the next step's
-        descriptor reads from the device instead. Call `apply` for the previous step first, so
-        every token this step computed is known when its blocks are hashed.
-
-        Mutates: advances each running sequence's computed tokens, enters newly full blocks into
-        the prefix cache, appends placeholders, and finishes (frees) the sequences that reach
-        their max_tokens. Returns those.
-        """
+    def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Enters the blocks of `seq` that tokens `start` .. `end - 1` complete into the prefix
+        cache (their tokens are known; their K/V is computed by a planned step)."""
         size = self.config.block_size
-        caching = self.config.enable_prefix_caching
-        finished: list[Sequence] = []
-        for seq, start, count, append in zip(
-            batch.seqs, batch.start_positions, batch.num_new_tokens, batch.appends, strict=True
-        ):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens = computed = start + count
-            if caching and computed // size > start // size:
-                token_ids = seq.token_ids[:computed]
-                extend_block_hashes(seq.block_hashes, token_ids, size)
-                self.block_pool.cache_blocks(
-                    seq.block_table, token_ids, seq.block_hashes, start // size, computed // size
-                )
-            if not append:
-                continue
-            seq.append_placeholder()
-            if seq.num_output_tokens >= seq.max_tokens:
-                self._release(seq, "length")
-                finished.append(seq)
-        if finished:
-            self.running = [seq for seq in self.running if not seq.is_finished]
-        return finished
+        if not self.config.enable_prefix_caching or end // size <= start // size:
+            return
+        token_ids = seq.token_ids[:end]
+        extend_block_hashes(seq.block_hashes, token_ids, size)
+        self.block_pool.cache_blocks(
+            seq.block_table, token_ids, seq.block_hashes, start // size, end // size
+        )
 
-    def apply(
-        self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int] | np.ndarray
-    ) -> list[Sequence]:
-        """Gives the placeholders of a committed step their sampled values; returns the
-        sequences that a stop token finished.
-
-        Every sequence that `commit` gave a placeholder gets its value, also one preempted,
-        finished or aborted since: a preempted one keeps it and prefills it on resumption.
-        A stop token (eos unless ignored, or a stop_token_id, once min_tokens are out) finishes
-        a live sequence with "stop", and turns a "length" finish on the same token into "stop".
-        """
-        tokens = np.asarray(sampled_token_ids)[: batch.num_seqs].tolist()
-        finished: list[Sequence] = []
-        for seq, append, token in zip(batch.seqs, batch.appends, tokens, strict=True):
-            if not append or seq.pending_index is None:
-                continue
-            num_output = seq.fill_placeholder(token) + 1
-            if token not in seq.stop_token_ids or num_output < seq.params.min_tokens:
-                continue
-            if seq.is_finished:
-                if seq.finish_reason == "length":
-                    seq.finish_reason = "stop"
-            else:
-                self.finish(seq, "stop")
-                finished.append(seq)
-        return finished
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self) -> tuple | None:
+        """("prefill", seqs, starts, counts) of the step's prefill chunks, or None."""
         cfg = self.config
         tile = cfg.prefill_tile
         budget = cfg.max_num_batched_tokens
@@ -293,10 +250,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             add_chunk(seq)
-        if not seqs:
-            return None
-        appends = [s + c == seq.num_tokens for seq, s, c in zip(seqs, starts, counts, strict=True)]
-        return ScheduledBatch(True, seqs, starts, counts, appends)
+        return ("prefill", seqs, starts, counts) if seqs else None
 
     def _admit(self, seq: Sequence) -> bool:
         """Gives `seq` blocks for all its tokens, reusing cached ones; False if they don't fit."""
@@ -322,23 +276,24 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         return True
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self) -> tuple | None:
+        """("decode", seqs, starts, ones): one token for every running sequence that has a
+        token left to sample, preempting the newest when blocks run out; or None."""
         pool = self.block_pool
         running = self.running
         scheduled: list[Sequence] = []
         index = 0
         while index < len(running):
             seq = running[index]
-            if pool.append_slots(seq.block_table, seq.num_tokens):
+            if pool.append_slots(seq.block_table, seq.num_computed_tokens + 1):
                 scheduled.append(seq)
                 index += 1
             else:
                 self._preempt(running.pop())
         if not scheduled:
             return None
-        num = len(scheduled)
-        starts = [seq.num_tokens - 1 for seq in scheduled]
-        return ScheduledBatch(False, scheduled, starts, [1] * num, [True] * num)
+        starts = [seq.num_computed_tokens for seq in scheduled]
+        return "decode", scheduled, starts, [1] * len(scheduled)
 
     def _preempt(self, seq: Sequence) -> None:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks.
@@ -354,7 +309,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence, reason: FinishReason) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Moves a running sequence whose last token is planned to `sampling_last`, its blocks
+        freed (the planned step still writes them: any later step runs after it)."""
+        self.running.remove(seq)
+        self.block_pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.SAMPLING_LAST
+        self.sampling_last.append(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a live sequence: out of its queue, its blocks freed."""
+        queue = {
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.SAMPLING_LAST: self.sampling_last,
+        }[seq.status]
+        queue.remove(seq)
         self.block_pool.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
@@ -373,23 +344,32 @@ class Scheduler:
         cfg = self.config
         pool = self.block_pool
         pool.check_integrity(seq.block_table for seq in self.running)
-        ids = [seq.seq_id for seq in self.running] + [seq.seq_id for seq in self.waiting]
+        queues = (self.running, self.waiting, self.sampling_last)
+        ids = [seq.seq_id for queue in queues for seq in queue]
         require(len(ids) == len(set(ids)), "a sequence is queued twice")
         require(set(ids) == set(self._live), "the live set differs from the queues")
         require(len(self.running) <= cfg.max_num_seqs, "more running sequences than max_num_seqs")
         for seq in self.waiting:
             require(seq.status is SequenceStatus.WAITING, f"{seq} in the waiting queue")
             require(not seq.block_table and seq.num_computed_tokens == 0, f"{seq} holds blocks")
+        for seq in self.sampling_last:
+            require(seq.status is SequenceStatus.SAMPLING_LAST, f"{seq} sampling its last token")
+            require(not seq.block_table, f"{seq} holds blocks")
         size = cfg.block_size
         for seq in self.running:
             require(seq.status is SequenceStatus.RUNNING, f"{seq} in the running list")
             num_full = seq.num_computed_tokens // size
+            # NOTE: a planned step may compute the token the step before is still sampling.
+            longest = max(seq.num_tokens, seq.num_computed_tokens)
             require(
                 -(-seq.num_computed_tokens // size) <= len(seq.block_table)
-                and len(seq.block_table) <= -(-seq.num_tokens // size),
+                and len(seq.block_table) <= -(-longest // size),
                 f"{seq}: block table does not match its tokens",
             )
-            require(seq.num_computed_tokens < seq.num_tokens, f"{seq}: nothing left to compute")
+            require(
+                seq.num_computed_tokens <= seq.num_tokens + 1,
+                f"{seq}: computes tokens that were never sampled",
+            )
             for index, block_id in enumerate(seq.block_table):
                 block_hash = pool.block_hash(block_id)
                 if index < num_full:

@@ -110,7 +110,7 @@ def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
     loaded = LLM(tmp_path / "saved", **BASE_SETTINGS)  # a path object works too
 
     assert loaded.model_config == llm.model_config
-    assert loaded.engine.scheduler_config == llm.engine.scheduler_config
+    assert loaded.engine.scheduler.config == llm.engine.scheduler.config
     outputs = loaded.generate(greedy_prompts[:6], greedy_params(), use_tqdm=False)
     assert [o.token_ids for o in outputs] == greedy_reference[:6]
     assert loaded.tokenizer.encode(PROMPT) == llm.tokenizer.encode(PROMPT)

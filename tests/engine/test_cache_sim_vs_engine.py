@@ -47,7 +47,7 @@ def runs(checkpoint) -> dict:
         )
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[policy] = (
-            llm.engine.scheduler_config,
+            llm.engine.scheduler.config,
             llm.cache_stats(),
             llm.engine.scheduler.num_preemptions,
             outputs,

@@ -74,7 +74,7 @@ def test_eos_from_generation_config(checkpoint, continuation, tmp_path):
     path = checkpoint.with_generation_config(tmp_path / "eos", eos_token_id=[eos, 250])
     llm = LLM(str(path), **BASE_SETTINGS)
     tokenizer_eos = qwen3_tokenizer().eos_token_id
-    assert llm.engine.scheduler_config.eos_token_ids == tuple(sorted({eos, 250, tokenizer_eos}))
+    assert llm.engine.scheduler.config.eos_token_ids == tuple(sorted({eos, 250, tokenizer_eos}))
 
     cases = [greedy(), greedy(ignore_eos=True), greedy(min_tokens=index + 2)]
     outputs = llm.generate([PROMPT] * 3, cases, use_tqdm=False)

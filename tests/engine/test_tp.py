@@ -110,7 +110,7 @@ def check_greedy_tokens_and_shards(
     assert generate(llm) == reference
     stats = llm.cache_stats()
     assert stats.num_hit_tokens >= 2 * 32  # the later shared-prefix prompts hit two blocks
-    assert llm.engine.scheduler_config.max_num_batched_tokens == 32  # prompts were chunked
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 32  # prompts were chunked
     params = llm.engine.runner.params
     layers = params[f"layers_{LAYERS - 1}"]
     qkv_proj = layers["attn"]["qkv_proj"]  # for each kv head: its query heads, key and value

@@ -178,9 +178,8 @@ def test_counts_do_not_depend_on_pipelining():
     pipelined = simulate(requests, config, "lru")
     scheduler = Scheduler(config, eviction_policy="lru")
     for request in requests:
-        scheduler.add(
-            request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
-        )
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        scheduler.add(scheduler.new_sequence(request.prompt_token_ids, params))
     while (batch := scheduler.schedule()) is not None:
         scheduler.update(batch, np.zeros(batch.num_seqs, np.int32))
     stats = scheduler.stats()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import BatchBuilder, BatchDescriptor, Scheduler, SchedulerConfig, Sequence
+from jaxllm.sched import Scheduler, SchedulerConfig, Sequence, StepPlan
 
 ROOT_IDENTITY = 17
 VOCAB = 50
@@ -36,12 +36,19 @@ def make_scheduler(eviction_policy: str = "lru", **overrides) -> Scheduler:
 
 
 def make_seq(
-    scheduler: Scheduler, prompt: int | list[int], max_tokens: int = 4, **params
+    scheduler: Scheduler,
+    prompt: int | list[int],
+    max_tokens: int = 4,
+    stop_strings=None,
+    **params,
 ) -> Sequence:
     """Adds a request; an int prompt means `list(range(100, 100 + prompt))`."""
     tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
     params.setdefault("ignore_eos", True)
-    return scheduler.add(tokens, SamplingParams(max_tokens=max_tokens, **params))
+    params = SamplingParams(max_tokens=max_tokens, **params)
+    seq = scheduler.new_sequence(tokens, params, stop_strings)
+    scheduler.add(seq)
+    return seq
 
 
 def identity(parent: int, token: int) -> int:
@@ -70,87 +77,91 @@ class FakeDevice:
         self.block_size = block_size
         self.kv = np.zeros(num_blocks * block_size, dtype=object)
 
-    def step(self, desc: BatchDescriptor) -> np.ndarray:
-        """Runs one step; returns [S] sampled tokens (padding rows: -1)."""
-        tile = desc.token_ids.shape[0] // desc.block_tables.shape[0]
+    def step(self, plan: StepPlan, token_ids: np.ndarray | None = None) -> np.ndarray:
+        """Runs one step (with these token ids instead of the plan's, if given); returns [S]
+        sampled tokens (padding rows: -1)."""
+        inputs = plan.inputs
+        token_ids = inputs.token_ids if token_ids is None else token_ids
+        tile = inputs.tile_size
         size = self.block_size
         row_identity = {}
-        for g in range(desc.block_tables.shape[0]):
-            table = desc.block_tables[g]
+        for g in range(inputs.block_tables.shape[0]):
+            table = inputs.block_tables[g]
             for row in range(g * tile, (g + 1) * tile):
-                slot = int(desc.slot_mapping[row])
+                slot = int(inputs.slot_mapping[row])
                 if slot < 0:
                     continue
-                pos = int(desc.positions[row])
-                assert pos < desc.context_lens[g], "a token beyond its tile's context"
+                pos = int(inputs.positions[row])
+                assert pos < inputs.context_lens[g], "a token beyond its tile's context"
                 if pos == 0:
                     parent = ROOT_IDENTITY
                 else:
                     prev = pos - 1
                     parent = self.kv[int(table[prev // size]) * size + prev % size]
-                value = identity(parent, desc.token_ids[row])
+                value = identity(parent, token_ids[row])
                 assert slot == int(table[pos // size]) * size + pos % size
                 self.kv[slot] = value
                 row_identity[row] = value
-        sampled = np.full(desc.sample_indices.shape[0], -1, dtype=np.int64)
-        for i in range(desc.num_seqs):
-            sampled[i] = next_token(row_identity[int(desc.sample_indices[i])])
+        sampled = np.full(inputs.sample_indices.shape[0], -1, dtype=np.int64)
+        for i in range(plan.num_seqs):
+            sampled[i] = next_token(row_identity[int(inputs.sample_indices[i])])
         return sampled
 
 
 class Harness:
-    """A scheduler, a batch builder and a fake device, stepped together with integrity checks."""
+    """A scheduler and a fake device, stepped together with integrity checks."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.builder = BatchBuilder(scheduler.config)
         self.device = FakeDevice(scheduler.config.num_blocks, scheduler.config.block_size)
         self.finished: list[Sequence] = []
 
-    def step(self, before_update=None) -> tuple[BatchDescriptor | None, list[Sequence]]:
-        """schedule -> build -> fake device -> update; checks the contract and integrity."""
-        batch = self.scheduler.schedule()
+    def step(self, before_update=None) -> tuple[StepPlan | None, list[Sequence]]:
+        """schedule -> fake device -> update; checks the plan's contract and integrity."""
+        plan = self.scheduler.schedule()
         self.scheduler.check_integrity()
-        if batch is None:
+        if plan is None:
             return None, []
-        desc = self.builder.build(batch)
-        assert_descriptor_contract(desc, self.scheduler.config)
-        sampled = self.device.step(desc)
+        assert_plan_contract(plan, self.scheduler.config)
+        sampled = self.device.step(plan)
         if before_update is not None:
-            before_update(desc)
-        for seq, append, token in zip(desc.seqs, desc.appends, sampled, strict=False):
-            if append and not seq.is_finished:
+            before_update(plan)
+        for seq, samples, token in zip(plan.seqs, plan.samples, sampled, strict=False):
+            if samples and not seq.is_finished:
                 assert token == next_token(expected_identities(seq.token_ids)[-1]), (
                     f"{seq} sampled from the wrong KV"
                 )
-        finished = self.scheduler.update(batch, sampled)
+        finished = self.scheduler.update(plan, sampled)
         self.scheduler.check_integrity()
         self.finished.extend(finished)
-        return desc, finished
+        return plan, finished
 
     def run(self, max_steps: int = 1000) -> int:
         """Steps until nothing is left; returns the number of steps."""
         for steps in range(max_steps):
             if not self.scheduler.has_unfinished():
                 return steps
-            desc, _ = self.step()
-            assert desc is not None, "unfinished requests but nothing scheduled: a hang"
+            plan, _ = self.step()
+            assert plan is not None, "unfinished requests but nothing scheduled: a hang"
         raise AssertionError(f"not done after {max_steps} steps")
 
 
-def assert_descriptor_contract(desc: BatchDescriptor, config: SchedulerConfig) -> None:
-    """The layout of `jaxllm.model.inputs`, checked row by row against the host's record."""
-    shape = desc.shape
-    num_tokens, num_tiles, num_sampled, width = shape[1:]
-    assert desc.token_ids.shape == desc.positions.shape == desc.slot_mapping.shape == (num_tokens,)
-    assert desc.block_tables.shape == (num_tiles, width)
-    assert desc.context_lens.shape == (num_tiles,)
-    for name in ("sample_indices", "temperature", "top_k", "top_p", "min_p", "seeds"):
-        assert getattr(desc, name).shape == (num_sampled,), name
-    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens"):
-        assert getattr(desc, name).dtype == np.int32, name
-    assert desc.seeds.dtype == np.uint32 and desc.temperature.dtype == np.float32
-    if shape.kind == "decode":
+def assert_plan_contract(plan: StepPlan, config: SchedulerConfig) -> None:
+    """The layout of `jaxllm.model.inputs`, checked row by row against the plan's record (a
+    synchronous step: every input token is on the host)."""
+    inputs, sampling = plan.inputs, plan.sampling
+    num_tokens, num_tiles, num_sampled, width = plan.bucket[1:]
+    assert inputs.token_ids.shape == inputs.positions.shape == (num_tokens,)
+    assert inputs.slot_mapping.shape == (num_tokens,)
+    assert inputs.block_tables.shape == (num_tiles, width)
+    assert inputs.context_lens.shape == (num_tiles,)
+    assert inputs.sample_indices.shape == (num_sampled,)
+    for name, array in sampling._asdict().items():
+        assert array.shape == (num_sampled,), name
+    for name, array in inputs._asdict().items():
+        assert array.dtype == np.int32, name
+    assert sampling.seeds.dtype == np.uint32 and sampling.temperature.dtype == np.float32
+    if plan.bucket.kind == "decode":
         assert num_tokens == num_tiles == num_sampled
         tile = 1
     else:
@@ -161,31 +172,36 @@ def assert_descriptor_contract(desc: BatchDescriptor, config: SchedulerConfig) -
     real_rows = set()
     row = 0
     for i, (seq, start, count) in enumerate(
-        zip(desc.seqs, desc.batch.start_positions, desc.batch.num_new_tokens, strict=True)
+        zip(plan.seqs, plan.start_positions, plan.num_new_tokens, strict=True)
     ):
         padded = -(-count // tile) * tile
         pad = padded - count
+        # NOTE: the plan's table, as planned: since, a sequence whose last token this plan
+        # samples gave its blocks back, and a block computed twice in one step was merged into
+        # the cached one (the fake device checks that every token read the right K/V).
+        table = inputs.block_tables[row // tile].tolist()
+        assert len(table) >= -(-(start + count) // size)
         for k in range(count):
             r = row + pad + k
             pos = start + k
             real_rows.add(r)
-            assert desc.positions[r] == pos and desc.token_ids[r] == seq.token_ids[pos]
-            assert desc.slot_mapping[r] == seq.block_table[pos // size] * size + pos % size
+            assert inputs.positions[r] == pos and inputs.token_ids[r] == seq.token_ids[pos]
+            assert inputs.slot_mapping[r] == table[pos // size] * size + pos % size
         for g in range(row // tile, (row + padded) // tile):
-            last_pos = desc.positions[(g + 1) * tile - 1]
-            assert desc.context_lens[g] == last_pos + 1
-            used = -(-int(desc.context_lens[g]) // size)
-            assert list(desc.block_tables[g, :used]) == seq.block_table[:used]
-        assert desc.sample_indices[i] == row + padded - 1
-        assert desc.sample_steps[i] == seq.num_output_tokens
-        assert desc.query_starts[i] == row + pad and desc.query_lens[i] == count
+            last_pos = inputs.positions[(g + 1) * tile - 1]
+            assert inputs.context_lens[g] == last_pos + 1
+            used = -(-int(inputs.context_lens[g]) // size)
+            assert list(inputs.block_tables[g, :used]) == table[:used]
+        assert inputs.sample_indices[i] == row + padded - 1
+        if plan.samples[i]:
+            assert sampling.steps[i] == seq.num_output_tokens
         row += padded
     assert row // tile <= num_tiles
     for r in range(num_tokens):
         if r not in real_rows:
-            assert desc.slot_mapping[r] == -1 and desc.token_ids[r] == 0
+            assert inputs.slot_mapping[r] == -1 and inputs.token_ids[r] == 0
     # The model writes the step's K/V with a scatter that assumes distinct slots.
-    slots = desc.slot_mapping[desc.slot_mapping >= 0]
+    slots = inputs.slot_mapping[inputs.slot_mapping >= 0]
     assert len(set(slots.tolist())) == len(slots)
-    assert not desc.context_lens[row // tile :].any()
-    assert not desc.sample_indices[desc.num_seqs :].any()
+    assert not inputs.context_lens[row // tile :].any()
+    assert not inputs.sample_indices[plan.num_seqs :].any()

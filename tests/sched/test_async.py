@@ -1,5 +1,6 @@
-"""Scheduling one step ahead: `commit` a step when it is dispatched, `apply` its tokens a step
-late. The outputs must equal the synchronous `update` path's, step for step in content."""
+"""Planning one step ahead, as the engine does: step N is planned and run before step N - 1's
+tokens are applied, its decode rows taking the tokens still on the device from step N - 1's
+output (the runner's `previous_rows`). The outputs must equal the synchronous loop's."""
 
 from __future__ import annotations
 
@@ -7,39 +8,31 @@ import numpy as np
 import pytest
 from sched_helpers import FakeDevice, Harness, make_config
 
+from jaxllm.runner import previous_rows
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import PLACEHOLDER, BatchBuilder, Scheduler
+from jaxllm.sched import Scheduler
 
 
 def run_async(scheduler: Scheduler, max_steps: int = 2000) -> int:
-    """The engine's pipelined loop over the fake device: schedule and dispatch step N, apply
-    step N-1's tokens, then commit step N. Placeholder inputs are read from step N-1's tokens,
-    as the device does. Returns how many placeholder inputs were read."""
-    builder = BatchBuilder(scheduler.config)
+    """The engine's loop over the fake device: plan and run step N, then update step N - 1.
+    Returns how many input tokens were taken from the previous step's output."""
     device = FakeDevice(scheduler.config.num_blocks, scheduler.config.block_size)
     pending = None
     num_read = 0
     for _ in range(max_steps):
-        batch = scheduler.schedule()
+        plan = scheduler.schedule()
         sampled = None
-        if batch is not None:
-            desc = builder.build(batch)
-            token_ids = desc.token_ids.copy()
-            placeholders = np.flatnonzero(token_ids[: desc.num_tokens] == PLACEHOLDER)
-            if len(placeholders):
-                assert not batch.is_prefill, "a prefill chunk read a placeholder"
-                previous_row = {seq.seq_id: row for row, seq in enumerate(pending[0].seqs)}
-                num_read += len(placeholders)
-                for row in placeholders:
-                    token_ids[row] = pending[1][previous_row[batch.seqs[row].seq_id]]
-            object.__setattr__(desc, "token_ids", token_ids)
-            sampled = device.step(desc)
+        if plan is not None:
+            rows = previous_rows(plan, pending[0] if pending else None)
+            token_ids = plan.inputs.token_ids.copy()
+            taken = np.flatnonzero(rows >= 0)
+            token_ids[taken] = pending[1][rows[taken]] if len(taken) else token_ids[taken]
+            num_read += int(np.count_nonzero(plan.inputs.token_ids[taken] == 0))
+            sampled = device.step(plan, token_ids)
         if pending is not None:
-            scheduler.apply(*pending)
-        if batch is not None:
-            scheduler.commit(batch)
+            scheduler.update(*pending)
         scheduler.check_integrity()
-        pending = (batch, sampled) if batch is not None else None
+        pending = (plan, sampled) if plan is not None else None
         if pending is None and not scheduler.has_unfinished():
             return num_read
     raise AssertionError("not done")
@@ -56,7 +49,8 @@ def workload(scheduler: Scheduler, rng: np.random.Generator, count: int) -> list
             stop_token_ids=[int(t) for t in rng.integers(0, 50, 3)],
             ignore_eos=bool(i % 2),
         )
-        seqs.append(scheduler.add(prompt, params))
+        seqs.append(scheduler.new_sequence(prompt, params))
+        scheduler.add(seqs[-1])
     return seqs
 
 
@@ -76,7 +70,6 @@ def test_async_equals_sync(num_blocks, seed):
     for expected, actual in zip(sync_seqs, async_seqs, strict=True):
         assert actual.output_token_ids == expected.output_token_ids, actual
         assert actual.finish_reason == expected.finish_reason, actual
-        assert PLACEHOLDER not in actual.output_token_ids
     assert pipelined.block_pool.num_free_blocks == num_blocks
     if num_blocks == 12:
         assert pipelined.num_preemptions > 0

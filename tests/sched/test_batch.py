@@ -1,16 +1,16 @@
-"""Batch descriptors: ladder shapes, tile front padding, slot mapping, sampled rows."""
+"""Step plans: ladder shapes, tile front padding, slot mapping, sampled rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_helpers import Harness, assert_descriptor_contract, make_config, make_scheduler, make_seq
+from sched_helpers import Harness, assert_plan_contract, make_config, make_scheduler, make_seq
 
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import BatchBuilder, BucketLadder, BucketShape
+from jaxllm.sched import Bucket, BucketLadder
 
 
-def test_ladder_rungs_and_all_shapes():
+def test_ladder_rungs_and_buckets():
     config = make_config(
         block_size=16,
         max_num_seqs=48,
@@ -22,33 +22,33 @@ def test_ladder_rungs_and_all_shapes():
     assert ladder.decode_sizes == (1, 2, 4, 8, 16, 32, 48)
     assert ladder.prefill_sizes == (16, 32, 64, 96)
     assert ladder.widths == (1, 2, 4, 8, 13)  # ceil(200 / 16) = 13
-    shapes = ladder.all_shapes()
+    shapes = ladder.buckets()
     assert len(shapes) == len(set(shapes)) == 7 * 5 + 4 * 5
-    assert BucketShape("decode", 32, 32, 32, 8) in shapes
-    assert BucketShape("prefill", 64, 4, 4, 13) in shapes
-    assert ladder.decode_shape(5, 3) == ("decode", 8, 8, 8, 4)
-    assert ladder.prefill_shape(80, 9) == ("prefill", 96, 6, 6, 13)
+    assert Bucket("decode", 32, 32, 32, 8) in shapes
+    assert Bucket("prefill", 64, 4, 4, 13) in shapes
+    assert ladder.decode_bucket(5, 3) == ("decode", 8, 8, 8, 4)
+    assert ladder.prefill_bucket(80, 9) == ("prefill", 96, 6, 6, 13)
     with pytest.raises(ValueError, match="beyond"):
-        ladder.decode_shape(49, 1)
+        ladder.decode_bucket(49, 1)
     with pytest.raises(ValueError, match="beyond"):
-        ladder.prefill_shape(16, 14)
+        ladder.prefill_bucket(16, 14)
 
     one_width = BucketLadder.from_config(config, one_width=True)
     assert one_width.widths == (13,)
-    assert len(one_width.all_shapes()) == 7 + 4
-    assert one_width.decode_shape(5, 3) == ("decode", 8, 8, 8, 13)
+    assert len(one_width.buckets()) == 7 + 4
+    assert one_width.decode_bucket(5, 3) == ("decode", 8, 8, 8, 13)
 
 
 def test_every_built_shape_is_on_the_ladder():
     scheduler = make_scheduler(num_blocks=12, max_num_seqs=5)
     harness = Harness(scheduler)
-    shapes = set(harness.builder.ladder.all_shapes())
+    shapes = set(scheduler.ladder.buckets())
     for k in range(9):
         make_seq(scheduler, 2 + 3 * k, max_tokens=1 + k % 4)
     seen = set()
     while scheduler.has_unfinished():
-        desc, _ = harness.step()
-        seen.add(desc.shape)
+        plan, _ = harness.step()
+        seen.add(plan.bucket)
     assert seen <= shapes and {shape.kind for shape in seen} == {"prefill", "decode"}
 
 
@@ -56,27 +56,46 @@ def test_prefill_tiles_are_front_padded():
     scheduler = make_scheduler()  # block size 4, tile 4, budget 16
     a = make_seq(scheduler, [10, 11, 12, 13, 14, 15], temperature=0.5, top_k=3, seed=9)
     b = make_seq(scheduler, [20, 21, 22], top_p=0.8, min_p=0.1)
-    desc = BatchBuilder(scheduler.config).build(scheduler.schedule())
+    plan = scheduler.schedule()
     assert (a.block_table, b.block_table) == ([0, 1], [2])
-    assert desc.shape == ("prefill", 16, 4, 4, 2)
+    assert plan.bucket == ("prefill", 16, 4, 4, 2)
     # a: 6 tokens in 2 tiles (2 padding rows first); b: 3 tokens in 1 tile; 1 padding tile.
-    assert desc.token_ids.tolist() == [0, 0, 10, 11, 12, 13, 14, 15, 0, 20, 21, 22, 0, 0, 0, 0]
-    assert desc.positions.tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 0, 0, 0, 0]
-    assert desc.slot_mapping.tolist() == [-1, -1, 0, 1, 2, 3, 4, 5, -1, 8, 9, 10] + [-1] * 4
-    assert desc.block_tables.tolist() == [[0, 1], [0, 1], [2, 0], [0, 0]]
-    assert desc.context_lens.tolist() == [2, 6, 3, 0]
-    assert desc.sample_indices.tolist() == [7, 11, 0, 0]
-    assert desc.query_starts.tolist() == [2, 9, 0, 0]
-    assert desc.query_lens.tolist() == [6, 3, 0, 0]
-    assert desc.seq_lens.tolist() == [6, 3, 0, 0]
-    assert desc.temperature.tolist() == [0.5, 1.0, 0.0, 0.0]  # padding rows are greedy
-    assert desc.top_k.tolist() == [3, 0, 0, 0]
-    assert desc.top_p.tolist() == pytest.approx([1.0, 0.8, 1.0, 1.0])
-    assert desc.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0])
-    assert desc.seeds.tolist() == [9, 0, 0, 0] and desc.sample_steps.tolist() == [0, 0, 0, 0]
-    assert desc.seqs == [a, b] and desc.appends == [True, True]
-    assert (desc.num_seqs, desc.num_tokens) == (2, 9)
-    assert set(desc.model_inputs()) == {
+    assert plan.inputs.token_ids.tolist() == [
+        0,
+        0,
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        0,
+        20,
+        21,
+        22,
+        0,
+        0,
+        0,
+        0,
+    ]
+    assert plan.inputs.positions.tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 0, 0, 0, 0]
+    assert plan.inputs.slot_mapping.tolist() == [-1, -1, 0, 1, 2, 3, 4, 5, -1, 8, 9, 10] + [-1] * 4
+    assert plan.inputs.block_tables.tolist() == [[0, 1], [0, 1], [2, 0], [0, 0]]
+    assert plan.inputs.context_lens.tolist() == [2, 6, 3, 0]
+    assert plan.inputs.sample_indices.tolist() == [7, 11, 0, 0]
+    assert plan.sampling.temperature.tolist() == [0.5, 1.0, 0.0, 0.0]  # padding rows are greedy
+    assert plan.sampling.top_k.tolist() == [3, 0, 0, 0]
+    assert plan.sampling.top_p.tolist() == pytest.approx([1.0, 0.8, 1.0, 1.0])
+    assert plan.sampling.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0])
+    assert plan.sampling.seeds.tolist() == [9, 0, 0, 0] and plan.sampling.steps.tolist() == [
+        0,
+        0,
+        0,
+        0,
+    ]
+    assert plan.seqs == [a, b] and plan.samples == [True, True]
+    assert (plan.num_seqs, plan.num_tokens) == (2, 9)
+    assert set(plan.inputs._fields) == {
         "token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "sample_indices"
     }  # fmt: skip
 
@@ -86,15 +105,15 @@ def test_prefill_chunk_after_a_prefix_hit_starts_mid_sequence():
     harness = Harness(scheduler)
     make_seq(scheduler, 12, max_tokens=1)
     harness.run()
-    seq = make_seq(scheduler, [*range(100, 110)], max_tokens=1)  # 8 cached, 2 to compute
-    desc = harness.builder.build(scheduler.schedule())
+    seq = make_seq(scheduler, [*range(100, 110)], max_tokens=2)  # 8 cached, 2 to compute
+    plan = scheduler.schedule()
     assert seq.block_table == [0, 1, 3]
-    assert desc.shape == ("prefill", 4, 1, 1, 4)
-    assert desc.positions.tolist() == [0, 0, 8, 9]
-    assert desc.token_ids.tolist() == [0, 0, 108, 109]
-    assert desc.slot_mapping.tolist() == [-1, -1, 12, 13]  # block 3, offsets 0 and 1
-    assert desc.context_lens.tolist() == [10] and desc.sample_indices.tolist() == [3]
-    assert desc.block_tables.tolist() == [[0, 1, 3, 0]]
+    assert plan.bucket == ("prefill", 4, 1, 1, 4)
+    assert plan.inputs.positions.tolist() == [0, 0, 8, 9]
+    assert plan.inputs.token_ids.tolist() == [0, 0, 108, 109]
+    assert plan.inputs.slot_mapping.tolist() == [-1, -1, 12, 13]  # block 3, offsets 0 and 1
+    assert plan.inputs.context_lens.tolist() == [10] and plan.inputs.sample_indices.tolist() == [3]
+    assert plan.inputs.block_tables.tolist() == [[0, 1, 3, 0]]
 
 
 def test_decode_rows_slots_and_sampling_arrays():
@@ -107,30 +126,30 @@ def test_decode_rows_slots_and_sampling_arrays():
     ]
     harness.step()  # one prefill step for all three: 4 + 8 + 4 padded tokens
     harness.step()  # a decode step: the third sequence takes block 4
-    desc = harness.builder.build(scheduler.schedule())  # the first takes block 5
+    plan = scheduler.schedule()  # the first takes block 5
     assert [s.block_table for s in seqs] == [[0, 5], [1, 2], [3, 4]]
-    assert not desc.is_prefill and desc.shape == ("decode", 4, 4, 4, 2)
-    assert desc.positions.tolist() == [4, 6, 5, 0]  # each sequence's last token
-    assert desc.token_ids.tolist() == [s.output_token_ids[-1] for s in seqs] + [0]
-    assert desc.slot_mapping.tolist() == [5 * 4 + 0, 2 * 4 + 2, 4 * 4 + 1, -1]
-    assert desc.context_lens.tolist() == [5, 7, 6, 0]
-    assert desc.sample_indices.tolist() == [0, 1, 2, 0]
-    assert desc.block_tables.tolist() == [[0, 5], [1, 2], [3, 4], [0, 0]]
-    assert desc.temperature.tolist() == [0.0, 1.0, 1.0, 0.0]
-    assert desc.sample_steps.tolist() == [2, 2, 2, 0]
-    assert desc.query_starts.tolist() == [0, 1, 2, 0] and desc.query_lens.tolist() == [1, 1, 1, 0]
-    assert desc.seq_lens.tolist() == [5, 7, 6, 0]
+    assert not plan.is_prefill and plan.bucket == ("decode", 4, 4, 4, 2)
+    assert plan.inputs.positions.tolist() == [4, 6, 5, 0]  # each sequence's last token
+    assert plan.inputs.token_ids.tolist() == [s.output_token_ids[-1] for s in seqs] + [0]
+    assert plan.inputs.slot_mapping.tolist() == [5 * 4 + 0, 2 * 4 + 2, 4 * 4 + 1, -1]
+    assert plan.inputs.context_lens.tolist() == [5, 7, 6, 0]
+    assert plan.inputs.sample_indices.tolist() == [0, 1, 2, 0]
+    assert plan.inputs.block_tables.tolist() == [[0, 5], [1, 2], [3, 4], [0, 0]]
+    assert plan.sampling.temperature.tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert plan.sampling.steps.tolist() == [2, 2, 2, 0]
     # Seeds fold to 32 bits; seeds that differ only above bit 32 stay different.
-    assert desc.seeds.dtype == np.uint32 and len(set(desc.seeds[:3].tolist())) == 3
-    assert_descriptor_contract(desc, scheduler.config)
+    assert (
+        plan.sampling.seeds.dtype == np.uint32 and len(set(plan.sampling.seeds[:3].tolist())) == 3
+    )
+    assert_plan_contract(plan, scheduler.config)
 
 
 def test_seeds_below_2_to_32_are_kept_and_unseeded_use_the_derived_seed():
     scheduler = make_scheduler()
     make_seq(scheduler, 2, seed=123)
-    scheduler.add([1, 2], SamplingParams(_derived_seed=77))
-    desc = BatchBuilder(scheduler.config).build(scheduler.schedule())
-    assert desc.seeds[:2].tolist() == [123, 77]
+    scheduler.add(scheduler.new_sequence([1, 2], SamplingParams(_derived_seed=77)))
+    plan = scheduler.schedule()
+    assert plan.sampling.seeds[:2].tolist() == [123, 77]
 
 
 def test_large_steps_have_the_largest_shapes():
@@ -140,10 +159,10 @@ def test_large_steps_have_the_largest_shapes():
     )  # fmt: skip
     scheduler = make_scheduler(**config.__dict__)
     make_seq(scheduler, 16384, max_tokens=1)
-    desc = BatchBuilder(config).build(scheduler.schedule())
-    assert desc.shape == ("prefill", 16384, 128, 128, 64)
-    assert desc.slot_mapping.tolist() == list(range(16384))
-    assert desc.context_lens.tolist() == list(range(128, 16385, 128))
+    plan = scheduler.schedule()
+    assert plan.bucket == ("prefill", 16384, 128, 128, 64)
+    assert plan.inputs.slot_mapping.tolist() == list(range(16384))
+    assert plan.inputs.context_lens.tolist() == list(range(128, 16385, 128))
 
 
 def test_greedy_requests_in_a_padded_bucket_take_the_greedy_sampler():
@@ -157,7 +176,16 @@ def test_greedy_requests_in_a_padded_bucket_take_the_greedy_sampler():
     make_seq(scheduler, 5, max_tokens=4, temperature=0.0)
     make_seq(scheduler, 2, max_tokens=4, temperature=0.0)
     for _ in range(2):  # the prefill step, then a decode step: 3 rows in a bucket of 4
-        desc, _ = harness.step()
-        assert desc.shape.num_sampled == 4
-        assert desc.top_k.tolist() == [np.iinfo(np.int32).max, 0, 0, 0]
-        assert sampler_mode(desc.temperature, desc.top_k, desc.top_p, desc.min_p, 1000) == "greedy"
+        plan, _ = harness.step()
+        assert plan.bucket.num_sampled == 4
+        assert plan.sampling.top_k.tolist() == [np.iinfo(np.int32).max, 0, 0, 0]
+        assert (
+            sampler_mode(
+                plan.sampling.temperature,
+                plan.sampling.top_k,
+                plan.sampling.top_p,
+                plan.sampling.min_p,
+                1000,
+            )
+            == "greedy"
+        )

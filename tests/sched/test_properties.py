@@ -68,7 +68,8 @@ def run_workload(config, policy, bases, ops) -> Scheduler:
     scheduler = Scheduler(config, eviction_policy=policy)
     harness = Harness(scheduler)
     accepted: list[Sequence] = []
-    ended_early: dict[int, str] = {}  # seq_id -> "abort" or "stop" (engine-side finish)
+    ended_early: dict[int, str] = {}  # seq_id -> "abort"
+    stopped: set[int] = set()  # sequences told to stop at their next token (a stop string)
 
     def live(seqs):
         return [seq for seq in seqs if not seq.is_finished]
@@ -81,17 +82,18 @@ def run_workload(config, policy, bases, ops) -> Scheduler:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             if not prompt or never_fits(config, prompt, max_tokens):
                 with pytest.raises(ValueError):
-                    scheduler.add(prompt, params)
+                    scheduler.new_sequence(prompt, params)
                 continue
-            seq = scheduler.add(prompt, params)
+            seq = scheduler.new_sequence(prompt, params)
+            scheduler.add(seq)
             assert seq.max_tokens == min(max_tokens, config.max_model_len - len(prompt))
             accepted.append(seq)
         elif kind == "step":
             harness.step()
         elif kind == "step_then_abort":
 
-            def abort_one(desc, pick=op[1]):
-                victim = desc.seqs[pick % desc.num_seqs]
+            def abort_one(plan, pick=op[1]):
+                victim = plan.seqs[pick % plan.num_seqs]
                 scheduler.abort(victim.seq_id)
                 ended_early[victim.seq_id] = "abort"
 
@@ -102,8 +104,8 @@ def run_workload(config, policy, bases, ops) -> Scheduler:
             ended_early[victim.seq_id] = "abort"
         elif kind == "finish" and scheduler.running:
             victim = scheduler.running[op[1] % len(scheduler.running)]
-            scheduler.finish(victim, "stop")
-            ended_early[victim.seq_id] = "stop"
+            victim.stop_strings = lambda token: True  # a stop string ends its next token
+            stopped.add(victim.seq_id)
         scheduler.check_integrity()
 
     harness.run(max_steps=5000)
@@ -120,6 +122,9 @@ def run_workload(config, policy, bases, ops) -> Scheduler:
         assert seq.is_finished and seq.block_table == []
         if seq.seq_id in ended_early:
             assert seq.finish_reason == ended_early[seq.seq_id]
+            assert seq.num_output_tokens <= seq.max_tokens
+        elif seq.seq_id in stopped:
+            assert seq.finish_reason == "stop"
             assert seq.num_output_tokens <= seq.max_tokens
         else:
             assert seq.finish_reason == "length"

@@ -31,10 +31,10 @@ def test_shared_prefix_shares_blocks_and_ref_counts():
     assert pool.block_hash(2) is None  # only 2 of its 4 tokens are computed
 
     b = make_seq(scheduler, [*range(100, 108), 1, 2], max_tokens=4)
-    desc, _ = harness.step()
-    assert desc.is_prefill and desc.seqs == [b]  # a waits: a step is all prefill
+    plan, _ = harness.step()
+    assert plan.is_prefill and plan.seqs == [b]  # a waits: a step is all prefill
     assert b.block_table == [0, 1, 3]
-    assert b.num_cached_tokens == 8 and desc.batch.num_new_tokens == [2]
+    assert b.num_cached_tokens == 8 and plan.num_new_tokens == [2]
     assert refs(scheduler, 5) == [2, 2, 1, 1, 0]
 
     harness.run()
@@ -63,19 +63,19 @@ def test_full_prefix_hit_recomputes_the_last_block_and_dedups_it():
     assert scheduler.stats().num_cached_free_blocks == 3
 
     b = make_seq(scheduler, 12, max_tokens=2)
-    desc, _ = harness.step()
+    plan, _ = harness.step()
     # Every block of the prompt is cached, but the last one is recomputed (into a fresh block 3)
     # so that the step has a token to sample; then the copy is swapped for the cached block 2.
-    assert b.num_cached_tokens == 8 and desc.batch.num_new_tokens == [4]
-    assert list(desc.block_tables[0]) == [0, 1, 3, 0]
+    assert b.num_cached_tokens == 8 and plan.num_new_tokens == [4]
+    assert list(plan.inputs.block_tables[0]) == [0, 1, 3, 0]
     assert b.block_table == [0, 1, 2]
     assert refs(scheduler, 4) == [1, 1, 1, 0]
 
     c = make_seq(scheduler, 10, max_tokens=1)  # a prefix of the cached prompt, not block-aligned
-    desc, finished = harness.step()
-    assert desc.seqs == [c] and finished == [c]
-    assert c.num_cached_tokens == 8 and desc.batch.num_new_tokens == [2]
-    assert list(desc.block_tables[0, :3]) == [0, 1, 3]
+    plan, finished = harness.step()
+    assert plan.seqs == [c] and finished == [c]
+    assert c.num_cached_tokens == 8 and plan.num_new_tokens == [2]
+    assert list(plan.inputs.block_tables[0, :3]) == [0, 1, 3]
     assert refs(scheduler, 4) == [1, 1, 1, 0]
     harness.run()
     assert b.num_output_tokens == 2
@@ -93,9 +93,9 @@ def test_freed_blocks_stay_cached_and_are_reused():
     assert (stats.num_cached_free_blocks, stats.num_empty_blocks) == (2, 2)
 
     again = make_seq(scheduler, 9, max_tokens=2)
-    desc, _ = harness.step()
+    plan, _ = harness.step()
     assert again.block_table == [0, 1, 2] and again.num_cached_tokens == 8
-    assert list(desc.block_tables[0]) == [0, 1, 2, 0]
+    assert list(plan.inputs.block_tables[0]) == [0, 1, 2, 0]
     assert refs(scheduler, 4) == [1, 1, 1, 0]
     assert [pool.block_hash(0), pool.block_hash(1)] == hashes
     assert scheduler.stats().num_evictions == 0
@@ -130,9 +130,9 @@ def test_eviction_order_under_pressure(policy, eviction_order):
         scheduler, harness, hashes = cached_abc(policy)
         pool = scheduler.block_pool
         # Needs 3 + num_evicted blocks at admission: the 3 empty ones first, then evictions.
-        big = make_seq(scheduler, [300 + i for i in range(4 * (3 + num_evicted) - 1)], 1)
-        batch = scheduler.schedule()
-        assert batch.seqs == [big]
+        big = make_seq(scheduler, [300 + i for i in range(4 * (3 + num_evicted) - 1)], 2)
+        plan, _ = harness.step()
+        assert plan.seqs == [big]
         gone = {name for name, h in hashes.items() if pool.cached_block(h) is None}
         assert gone == set(eviction_order[:num_evicted])
         assert scheduler.stats().num_evictions == num_evicted
@@ -149,15 +149,15 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
     short = make_seq(scheduler, 3, max_tokens=1)
     chunks = []
     while long.num_output_tokens == 0:
-        desc, _ = harness.step()
-        assert desc.shape.num_tokens <= 8
-        chunks.append(list(zip(desc.seqs, desc.batch.num_new_tokens, desc.appends, strict=True)))
+        plan, _ = harness.step()
+        assert plan.bucket.num_tokens <= 8
+        chunks.append(list(zip(plan.seqs, plan.num_new_tokens, plan.samples, strict=True)))
     # The whole prompt's blocks are taken at admission; chunks are whole tiles until the last,
     # whose 5 tokens pad to 8 and fill the budget, so short waits one more step.
     assert chunks == [[(long, 8, False)], [(long, 8, False)], [(long, 5, True)]]
     assert long.block_table == [0, 1, 2, 3, 4, 5]
-    desc, finished = harness.step()  # prefill first: short is admitted before long decodes
-    assert desc.seqs == [short] and finished == [short]
+    plan, finished = harness.step()  # prefill first: short is admitted before long decodes
+    assert plan.seqs == [short] and finished == [short]
     harness.run()
     assert long.num_output_tokens == 2
 
@@ -167,10 +167,10 @@ def test_prefill_budget_counts_tile_padding():
     harness = Harness(scheduler)
     first = make_seq(scheduler, 5)  # pads to 8 tokens: the whole budget
     second = make_seq(scheduler, 1)
-    desc, _ = harness.step()
-    assert desc.seqs == [first] and desc.shape.num_tokens == 8
-    desc, _ = harness.step()
-    assert desc.seqs == [second]
+    plan, _ = harness.step()
+    assert plan.seqs == [first] and plan.bucket.num_tokens == 8
+    plan, _ = harness.step()
+    assert plan.seqs == [second]
     assert first.status is SequenceStatus.RUNNING
 
 
@@ -183,8 +183,8 @@ def test_preemption_frees_the_newest_and_resumes_from_the_prefix_cache():
     harness.step()
     assert (old.block_table, new.block_table) == ([0, 1], [2, 3])
     harness.step()  # decode: both at 8 tokens, still in 2 blocks, now both full and cached
-    desc, _ = harness.step()  # both need a 3rd block; one is left: new is preempted
-    assert desc.seqs == [old] and old.block_table == [0, 1, 4]
+    plan, _ = harness.step()  # both need a 3rd block; one is left: new is preempted
+    assert plan.seqs == [old] and old.block_table == [0, 1, 4]
     assert new.status is SequenceStatus.WAITING and list(scheduler.waiting) == [new]
     assert new.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert new.block_table == [] and new.num_output_tokens == 2  # keeps its output
@@ -193,13 +193,13 @@ def test_preemption_frees_the_newest_and_resumes_from_the_prefix_cache():
     outputs_before = list(new.output_token_ids)
 
     while new.status is SequenceStatus.WAITING:
-        desc, _ = harness.step()
+        plan, _ = harness.step()
     # old's 4th block evicted block 3 (LRU); when old finished, all its blocks were full and
     # stayed cached, so new resumes (prompt + 2 generated tokens = 9) with block 2 from the
     # cache and evicts old's least recently freed blocks 3 and 4 for the rest.
     assert scheduler.stats().num_evictions == 3 and old.is_finished
-    assert desc.seqs == [new] and desc.batch.start_positions == [4]
-    assert desc.batch.num_new_tokens == [5] and new.block_table == [2, 3, 4]
+    assert plan.seqs == [new] and plan.start_positions == [4]
+    assert plan.num_new_tokens == [5] and new.block_table == [2, 3, 4]
     harness.run()
     assert old.num_output_tokens == new.num_output_tokens == 10
     assert new.output_token_ids[:2] == outputs_before
@@ -207,17 +207,17 @@ def test_preemption_frees_the_newest_and_resumes_from_the_prefix_cache():
     assert [s.finish_reason for s in (old, new)] == ["length", "length"]
 
 
-def test_a_request_that_can_never_fit_is_refused_at_add():
+def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
     scheduler = make_scheduler(num_blocks=4, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
         make_seq(scheduler, 64)
     with pytest.raises(ValueError, match="whole cache has 4"):
         make_seq(scheduler, 10, max_tokens=8)  # 17 KV tokens: 5 blocks
     with pytest.raises(ValueError, match="non-empty"):
-        scheduler.add([], SamplingParams())
+        scheduler.new_sequence([], SamplingParams())
     with pytest.raises(ValueError, match="whole cache"):
-        scheduler.validate(list(range(10)), SamplingParams(max_tokens=8))
-    scheduler.validate(list(range(10)), SamplingParams(max_tokens=7))
+        scheduler.new_sequence(list(range(10)), SamplingParams(max_tokens=8))
+    scheduler.new_sequence(list(range(10)), SamplingParams(max_tokens=7))
     assert not scheduler.waiting and scheduler.num_unfinished == 0
     fits = make_seq(scheduler, 10, max_tokens=7)  # 16 KV tokens: exactly the cache
     assert list(scheduler.waiting) == [fits]  # the refused requests never entered
@@ -261,16 +261,16 @@ def test_finish_and_abort():
     harness = Harness(scheduler)
     waiting = make_seq(scheduler, 20)
     running = make_seq(scheduler, 3)
-    early = make_seq(scheduler, 3)
+    early = make_seq(scheduler, 3, stop_strings=lambda token: True)  # its first token stops it
     assert scheduler.abort(waiting.seq_id) is waiting and waiting.finish_reason == "abort"
     assert scheduler.abort(waiting.seq_id) is None
-    harness.step()
-    scheduler.finish(early, "stop")  # the engine saw a stop string
-    assert early.finish_reason == "stop" and early.block_table == []
+    _, finished = harness.step()
+    assert finished == [early] and early.finish_reason == "stop" and early.block_table == []
+    assert early.num_output_tokens == 1
     scheduler.check_integrity()
 
-    def abort_running(desc):
-        assert running in desc.seqs
+    def abort_running(plan):
+        assert running in plan.seqs
         scheduler.abort(running.seq_id)
 
     _, finished = harness.step(before_update=abort_running)
@@ -283,10 +283,10 @@ def test_max_num_seqs_limits_admission():
     scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, prefill_tile=4)
     harness = Harness(scheduler)
     seqs = [make_seq(scheduler, 3, max_tokens=2) for _ in range(3)]
-    desc, _ = harness.step()
-    assert desc.seqs == seqs[:2] and list(scheduler.waiting) == [seqs[2]]
-    desc, _ = harness.step()
-    assert not desc.is_prefill and desc.seqs == seqs[:2]
+    plan, _ = harness.step()
+    assert plan.seqs == seqs[:2] and list(scheduler.waiting) == [seqs[2]]
+    plan, _ = harness.step()
+    assert not plan.is_prefill and plan.seqs == seqs[:2]
     harness.run()
 
 

@@ -1,0 +1,125 @@
+"""From token ids to text, never raising on an id the tokenizer lacks: whole outputs,
+streamed deltas, and stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from transformers import PreTrainedTokenizerFast
+
+from jaxllm.sampling_params import SamplingParams
+
+
+def decode_tokens(
+    tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int], skip_special_tokens: bool = True
+) -> str:
+    """Decodes token ids to text, never raising on ids the tokenizer does not know.
+
+    A model's vocab (151,936 for Qwen3) is padded beyond the tokenizer's (151,669); such ids, and
+    negative ones, decode to nothing.
+    """
+    return tokenizer.decode(
+        _known_ids(tokenizer, token_ids), skip_special_tokens=skip_special_tokens
+    )
+
+
+def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
+    size = len(tokenizer)
+    return [int(t) for t in token_ids if 0 <= int(t) < size]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, for streaming output.
+
+    A character whose UTF-8 bytes span several tokens is held back until it is complete (a
+    decoded window that ends in U+FFFD is not emitted yet), so the concatenated deltas plus
+    `finish()` equal the full decode. Each step decodes only a short window of recent tokens
+    (vLLM's prefix/read offsets), not the whole output.
+
+    Mutates: its window of recent token ids and `text` (everything emitted so far).
+    """
+
+    # NOTE: a few prompt tokens of context, as vLLM keeps, so the first delta decodes in context.
+    _NUM_PROMPT_TOKENS_KEPT = 5
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids)[-self._NUM_PROMPT_TOKENS_KEPT :]
+        self._window = _known_ids(tokenizer, context)
+        self._read_offset = len(self._window)
+        self.text = ""
+
+    def step(self, token_ids: int | Iterable[int]) -> str:
+        """Adds new token ids; returns the text they complete (possibly "")."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._window.extend(_known_ids(self._tokenizer, token_ids))
+        prefix_text = self._decode(self._window[: self._read_offset])
+        new_text = self._decode(self._window)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._window = self._window[self._read_offset :]
+        self._read_offset = len(self._window)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Returns the text still held back; call it once the stream ended.
+
+        An incomplete trailing character decodes to U+FFFD, as in the full decode.
+        """
+        prefix_text = self._decode(self._window[: self._read_offset])
+        new_text = self._decode(self._window)
+        delta = new_text[len(prefix_text) :]
+        self._read_offset = len(self._window)
+        self.text += delta
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class StopStrings:
+    """Detokenizes one request's output as it grows and finds its stop strings in the text.
+
+    The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
+    answers True once a stop string shows in the text, and only once `min_tokens` tokens exist.
+    `text` is then the output up to the stop string. No prompt context: the text must equal the
+    output tokens decoded alone (what an output without stop strings holds), also when the
+    prompt ends inside a multi-byte character.
+
+    Mutates: its detokenizer, its token count and, at a hit, `text_end`.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, params: SamplingParams) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self._stops = params.stop
+        self._longest = max(len(stop) for stop in params.stop)
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
+        self.text_end: int | None = None
+
+    def __call__(self, token_id: int) -> bool:
+        self._num_tokens += 1
+        delta = self._detokenizer.step(token_id)
+        if not delta or self._num_tokens < self._min_tokens:
+            return False
+        text = self._detokenizer.text
+        search_from = max(0, len(text) - len(delta) - self._longest + 1)
+        hits = [i for i in (text.find(stop, search_from) for stop in self._stops) if i >= 0]
+        if not hits:
+            return False
+        self.text_end = min(hits)
+        return True
+
+    @property
+    def text(self) -> str:
+        """The output up to the first stop string found (all of it decoded if none)."""
+        return self._detokenizer.text[: self.text_end]

@@ -1,0 +1,238 @@
+"""A step's plan: what the scheduler decided, and the padded arrays the device reads.
+
+`Scheduler.schedule()` returns one `StepPlan` per step: the sequences in row order, where each
+one's new tokens start and how many there are, whether each samples its next token, the bucket
+(the padded shape, from a fixed `BucketLadder`, so every shape the device will see is known
+before the first step) and the step's inputs in the format of `jaxllm.model.inputs`, padded
+from `ModelInputs.padding`. `plan_step` is the only place these arrays are built.
+
+Legend: T tokens, G tiles, S sampled rows, W block-table width (blocks). Decode steps have
+G == T == S (tiles of one token); prefill steps have G = T // prefill_tile and S = G.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from jaxllm.model.inputs import ModelInputs, SamplingInputs
+from jaxllm.sched.config import SchedulerConfig
+from jaxllm.sched.sequence import Sequence
+
+StepKind = Literal["prefill", "decode"]
+
+
+class Bucket(NamedTuple):
+    """The padded shape of one step: what one compiled executable takes."""
+
+    kind: StepKind
+    num_tokens: int  # T
+    num_tiles: int  # G
+    num_sampled: int  # S
+    width: int  # W
+
+    def padding(self) -> tuple[ModelInputs, SamplingInputs]:
+        """Inputs of a step of padding alone, in this bucket's shape."""
+        _, tokens, tiles, sampled, width = self
+        return ModelInputs.padding(tokens, tiles, sampled, width), SamplingInputs.padding(sampled)
+
+
+def _ladder(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest * 2**k up to largest, and largest itself."""
+    rungs = []
+    rung = smallest
+    while rung < largest:
+        rungs.append(rung)
+        rung *= 2
+    rungs.append(largest)
+    return tuple(rungs)
+
+
+def _round_up(rungs: tuple[int, ...], value: int, what: str) -> int:
+    index = bisect.bisect_left(rungs, value)
+    if index == len(rungs):
+        raise ValueError(f"{what} {value} is beyond the ladder's largest bucket {rungs[-1]}")
+    return rungs[index]
+
+
+@dataclass(frozen=True)
+class BucketLadder:
+    """The finite set of padded step shapes.
+
+    Attributes:
+        decode_sizes: decode batch sizes B (T = G = S = B): powers of two up to max_num_seqs.
+        prefill_sizes: prefill token counts T: prefill_tile * 2**k up to max_num_batched_tokens.
+        widths: block-table widths W: powers of two up to the blocks of max_model_len.
+        prefill_tile: tokens per prefill tile.
+    """
+
+    decode_sizes: tuple[int, ...]
+    prefill_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    prefill_tile: int
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig, *, one_width: bool = False) -> BucketLadder:
+        """The ladder of `config`'s limits; `one_width` pads every block table to the widest.
+
+        One width suits attention kernels whose cost follows the context lengths, not the
+        table width (FlashAttention's paged kernel): it divides the shapes to compile by the
+        number of widths.
+        """
+        widest = config.max_blocks_per_seq
+        return cls(
+            decode_sizes=_ladder(1, config.max_num_seqs),
+            prefill_sizes=_ladder(config.prefill_tile, config.max_num_batched_tokens),
+            widths=(widest,) if one_width else _ladder(1, widest),
+            prefill_tile=config.prefill_tile,
+        )
+
+    def decode_bucket(self, num_seqs: int, num_blocks: int) -> Bucket:
+        """The smallest decode bucket holding `num_seqs` rows with tables of `num_blocks`."""
+        size = _round_up(self.decode_sizes, num_seqs, "decode batch size")
+        width = _round_up(self.widths, num_blocks, "block-table width")
+        return Bucket("decode", size, size, size, width)
+
+    def prefill_bucket(self, num_padded_tokens: int, num_blocks: int) -> Bucket:
+        """The smallest prefill bucket holding `num_padded_tokens` (whole tiles)."""
+        size = _round_up(self.prefill_sizes, num_padded_tokens, "prefill token count")
+        width = _round_up(self.widths, num_blocks, "block-table width")
+        num_tiles = size // self.prefill_tile
+        return Bucket("prefill", size, num_tiles, num_tiles, width)
+
+    def buckets(self) -> list[Bucket]:
+        """Every shape a step can have: what the engine compiles at start-up."""
+        decode = [self.decode_bucket(size, w) for size in self.decode_sizes for w in self.widths]
+        prefill = [self.prefill_bucket(size, w) for size in self.prefill_sizes for w in self.widths]
+        return decode + prefill
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One step: its sequences, their new tokens, and the padded inputs of the device.
+
+    Attributes:
+        seqs: the scheduled sequences, in row order.
+        start_positions: each sequence's first new token (its num_computed_tokens before).
+        num_new_tokens: tokens each sequence computes in this step (its chunk).
+        samples: whether each row's sampled token is its sequence's next token; False for a
+            prefill chunk that stops short of the sequence's end.
+        bucket: the padded shape.
+        inputs: the model's inputs (numpy, the bucket's shape). The token of a decode row
+            whose value the previous step is still sampling is 0 here: the runner takes it
+            from that step's output on the device.
+        sampling: the sampler's inputs, one row per sequence (padding rows are greedy).
+    """
+
+    seqs: list[Sequence]
+    start_positions: list[int]
+    num_new_tokens: list[int]
+    samples: list[bool]
+    bucket: Bucket
+    inputs: ModelInputs
+    sampling: SamplingInputs
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.bucket.kind == "prefill"
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens computed in this step."""
+        return sum(self.num_new_tokens)
+
+
+def plan_step(
+    ladder: BucketLadder,
+    block_size: int,
+    kind: StepKind,
+    seqs: list[Sequence],
+    starts: list[int],
+    counts: list[int],
+) -> StepPlan:
+    """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
+    `seqs[i]` (decode steps: one token each), its arrays padded to the smallest bucket."""
+    starts_array = np.array(starts, dtype=np.int64)  # [n]
+    counts_array = np.array(counts, dtype=np.int64)  # [n]
+    ends = starts_array + counts_array
+    needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
+    tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
+    if kind == "decode":
+        bucket = ladder.decode_bucket(len(seqs), tables.shape[1])
+        tile, token_ids = 1, [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
+    else:
+        tile = ladder.prefill_tile
+        num_tiles = -(-counts_array // tile)
+        bucket = ladder.prefill_bucket(int(num_tiles.sum()) * tile, tables.shape[1])
+        token_ids = np.concatenate(
+            [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
+        )
+    inputs, _ = bucket.padding()
+    _fill_tiles(inputs, tables, starts_array, counts_array, token_ids, tile, block_size)
+    # NOTE: a decode row always samples, also when its token is still on the device.
+    samples = [
+        kind == "decode" or end == seq.num_tokens
+        for seq, end in zip(seqs, ends.tolist(), strict=True)
+    ]
+    steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
+    params = [seq.params for seq in seqs]
+    sampling = SamplingInputs.from_params(params, steps, bucket.num_sampled)
+    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling)
+
+
+def _fill_tiles(
+    inputs: ModelInputs,
+    tables: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    token_ids,
+    tile: int,
+    block_size: int,
+) -> None:
+    """Lays the chunks out in `inputs` (padding already), each padded at the front to whole
+    tiles, chunk i's real tokens in rows first_rows[i] + padding[i] ... + counts[i] - 1."""
+    num = len(counts)
+    num_tiles = -(-counts // tile)  # [n]
+    padding = num_tiles * tile - counts  # [n] front padding of each chunk
+    first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
+
+    total = int(counts.sum())
+    chunk_firsts = np.cumsum(counts) - counts  # [n] offsets in the concatenated chunks
+    base = np.arange(total, dtype=np.int64)  # [N]
+    token_positions = base + np.repeat(starts - chunk_firsts, counts)  # [N]
+    rows = base + np.repeat(first_rows + padding - chunk_firsts, counts)  # [N]
+    block_indices, offsets = np.divmod(token_positions, block_size)  # [N], [N]
+    block_indices += np.repeat(np.arange(num) * tables.shape[1], counts)
+    inputs.token_ids[rows] = token_ids
+    inputs.positions[rows] = token_positions
+    inputs.slot_mapping[rows] = np.take(tables.ravel(), block_indices) * block_size + offsets
+
+    # Tiles: tile j of chunk i ends at position starts[i] - padding[i] + (j + 1) * tile - 1.
+    num_real_tiles = int(num_tiles.sum())
+    seq_of_tile = np.repeat(np.arange(num), num_tiles)  # [g]
+    tile_index = np.arange(num_real_tiles) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)
+    inputs.block_tables[:num_real_tiles, : tables.shape[1]] = tables[seq_of_tile]
+    inputs.context_lens[:num_real_tiles] = (
+        np.repeat(starts - padding, num_tiles) + (tile_index + 1) * tile
+    )
+    inputs.sample_indices[:num] = first_rows + num_tiles * tile - 1
+
+
+def _block_table_rows(block_tables: list[list[int]]) -> np.ndarray:
+    """[n, max length] the block tables as rows of one int32 array, zero-padded."""
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    total = int(lengths.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
+    rows = np.repeat(np.arange(len(block_tables)), lengths)
+    cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
+    tables[rows, cols] = flat
+    return tables
