@@ -151,10 +151,11 @@ class Engine:
         """
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        tokens = None
+        tokens, dispatch_seconds = None, 0.0
         if plan is not None:
+            dispatch_start = time.perf_counter()
             tokens = self.runner.execute(plan)
-        dispatched = time.perf_counter()
+            dispatch_seconds = time.perf_counter() - dispatch_start
         in_flight, self._in_flight = self._in_flight, None
         outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
         if plan is not None:
@@ -163,7 +164,7 @@ class Engine:
             kind.tokens += plan.num_tokens
             kind.seconds += time.perf_counter() - start
             kind.steps += 1
-            kind.dispatch_seconds += dispatched - start
+            kind.dispatch_seconds += dispatch_seconds
             kind.wait_seconds += wait_seconds
         return outputs
 
