@@ -9,7 +9,7 @@ before it applies step N - 1's tokens, which the device has meanwhile sampled.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 
 import jax
 import numpy as np
@@ -57,11 +57,32 @@ class StepStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def __sub__(self, other: StepStats) -> StepStats:
+        return StepStats(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
 
 @dataclass
 class EngineStats:
     prefill: StepStats = field(default_factory=StepStats)
     decode: StepStats = field(default_factory=StepStats)
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(replace(self.prefill), replace(self.decode))
+
+    def since(self, before: EngineStats) -> dict[str, float]:
+        """Throughput and the parts of a decode step's wall time (handing it to the device,
+        waiting for tokens) since `before`."""
+        prefill, decode = self.prefill - before.prefill, self.decode - before.decode
+        per_step = lambda seconds: 1e3 * seconds / decode.steps if decode.steps else 0.0
+        return {
+            "prefill_tok_s": prefill.tokens_per_second,
+            "decode_tok_s": decode.tokens_per_second,
+            "prefill_steps": prefill.steps,
+            "decode_steps": decode.steps,
+            "decode_ms_per_step": per_step(decode.seconds),
+            "decode_dispatch_ms_per_step": per_step(decode.dispatch_seconds),
+            "decode_wait_ms_per_step": per_step(decode.wait_seconds),
+        }
 
 
 class Engine:

@@ -7,7 +7,6 @@ import gc
 import itertools
 import json
 import os
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -298,7 +297,7 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        before = dataclasses.replace(engine.stats.prefill), dataclasses.replace(engine.stats.decode)
+        before = engine.stats.snapshot()
         ids = [request.request_id for request in requests]
         pending = set(ids)
         outputs: dict[int, RequestOutput] = {}
@@ -307,22 +306,16 @@ class LLM:
             for request in requests:
                 engine.add(request)
             while len(outputs) < len(ids):
-                step_start = time.perf_counter()
-                prefill_tokens = engine.stats.prefill.tokens
-                decode_tokens = engine.stats.decode.tokens
-                finished_ids = self._step()
-                elapsed = time.perf_counter() - step_start
-                if use_tqdm:
-                    prefill = engine.stats.prefill.tokens - prefill_tokens
-                    decode = engine.stats.decode.tokens - decode_tokens
-                    if prefill:
-                        bar.set_postfix_str(f"Prefill: {prefill / elapsed:,.0f}tok/s", False)
-                    elif decode:
-                        bar.set_postfix_str(f"Decode: {decode / elapsed:,.0f}tok/s", False)
-                for request_id in finished_ids:
+                step_before = engine.stats.snapshot()
+                for request_id in self._step():
                     if request_id in pending:
                         outputs[request_id] = self._finished.pop(request_id)
                         bar.update(1)
+                if use_tqdm:
+                    step = engine.stats.since(step_before)
+                    kind = "Prefill" if step["prefill_steps"] else "Decode"
+                    rate = step["prefill_tok_s"] or step["decode_tok_s"]
+                    bar.set_postfix_str(f"{kind}: {rate:,.0f}tok/s", False)
                 if len(outputs) < len(ids) and not engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
@@ -332,37 +325,12 @@ class LLM:
             raise
         finally:
             bar.close()
-        prefill = engine.stats.prefill
-        decode = engine.stats.decode
-        self.last_run_stats = {
-            "prefill_tok_s": _rate(
-                prefill.tokens - before[0].tokens, prefill.seconds - before[0].seconds
-            ),
-            "decode_tok_s": _rate(
-                decode.tokens - before[1].tokens, decode.seconds - before[1].seconds
-            ),
-            "prefill_steps": prefill.steps - before[0].steps,
-            "decode_steps": decode.steps - before[1].steps,
-            "decode_ms_per_step": 1e3
-            * _rate(decode.seconds - before[1].seconds, decode.steps - before[1].steps),
-            # Of a decode step's wall time: handing it to the device, and waiting for tokens.
-            "decode_dispatch_ms_per_step": 1e3
-            * _rate(
-                decode.dispatch_seconds - before[1].dispatch_seconds,
-                decode.steps - before[1].steps,
-            ),
-            "decode_wait_ms_per_step": 1e3
-            * _rate(decode.wait_seconds - before[1].wait_seconds, decode.steps - before[1].steps),
-        }
+        self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]
 
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else 0.0
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,
