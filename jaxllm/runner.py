@@ -1,28 +1,23 @@
 """The device side of the engine: params, the donated KV cache, executables per bucket.
 
-`ModelRunner.execute(plan)` turns a step's plan into its sampled token ids; it is the only place
-where the host's numpy plans meet jax. Every step runs two executables compiled ahead of time:
-the model's forward pass for the plan's bucket (tokens, tiles, sampled rows, block-table width),
-which takes the KV cache donated and so updates it in place, and the sampler for the number of
-sampled rows and the variant the host picked (`sampler.sampler_mode`). Splitting the two halves
-the start-up compile time (the sampler has far fewer shapes than the model).
+`ModelRunner.execute(plan)` turns a step's plan into its sampled token ids: the only place where
+the host's numpy plans meet jax. A step runs two executables compiled ahead of time: the model's
+forward pass for the plan's bucket, which takes the KV cache donated and so updates it in place,
+and the sampler for the bucket's sampled rows and the variant the host picked
+(`sampler.sampler_mode`); apart, the sampler needs far fewer shapes, halving start-up compiles.
 
-One step ahead. `execute` returns without waiting for the device, and the engine plans the next
-step before it reads these tokens. A decode row of that next step whose input is a token this
-step is still sampling takes it from this step's output on the device (`previous_rows`): the
-host never waits for it.
+`execute` returns without waiting for the device, and the engine plans the next step before it
+reads these tokens: a decode row of the next step whose input this step is still sampling takes
+it from this step's output on the device (`previous_rows`).
 
-Tensor parallelism: the runner holds the "tp" mesh (`jaxllm.model.sharding`). The forward pass
-runs under shard_map over it (`sharded_forward`) with params and KV cache sharded; the step's
-inputs go to every device, and the logits come back whole on every device, where the sampler
-runs replicated. With several processes (`jax.distributed`) every process runs the same steps
-and passes the same host arrays; each becomes one global, replicated array.
+Under tensor parallelism the forward pass runs in shard_map over the "tp" mesh
+(`sharded_forward`); the inputs go to every device and the logits come back whole, where the
+sampler runs replicated. With several processes (`jax.distributed`) every process runs the same
+steps on the same host arrays, each made one global, replicated array.
 
-A step's host arrays travel as two flat int32 arrays, one per executable (`pack`: the model's
-seven, the sampler's six, floats and uint32 seeds bit-cast), not as thirteen: each host array
-handed to an executable is a transfer of its own (to every device of the mesh), and on the GPU
-each costs the host tens of microseconds per step. The steps cut them apart (`unpack`) by the
-bucket's static shapes.
+A step's host arrays travel as one flat int32 array per executable (`pack`; floats and uint32
+seeds bit-cast): each host array handed to an executable is a transfer of its own, tens of
+microseconds of the host's time per step on a GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +53,7 @@ COMPILE_THREADS = 8
 
 
 def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:
-    """Host arrays of 4-byte dtypes as one flat int32 array (each bit-cast)."""
+    """Host arrays of 4-byte dtypes as one flat int32 array."""
     parts = []
     for index, array in enumerate(arrays):
         array = np.asarray(array)

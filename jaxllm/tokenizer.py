@@ -29,35 +29,20 @@ PRETOKENIZE_REGEX = (
 )
 NUM_BPE_TOKENS = 151_643
 
-# Qwen3's added tokens in id order from 151,643, with their `special` flag (as in Qwen3's
-# tokenizer_config.json): special ones are dropped by `skip_special_tokens`, the others are not.
-ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
-    ("<|endoftext|>", True),
-    ("<|im_start|>", True),
-    ("<|im_end|>", True),
-    ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True),
-    ("<|box_start|>", True),
-    ("<|box_end|>", True),
-    ("<|quad_start|>", True),
-    ("<|quad_end|>", True),
-    ("<|vision_start|>", True),
-    ("<|vision_end|>", True),
-    ("<|vision_pad|>", True),
-    ("<|image_pad|>", True),
-    ("<|video_pad|>", True),
-    ("<tool_call>", False),
-    ("</tool_call>", False),
-    ("<|fim_prefix|>", False),
-    ("<|fim_middle|>", False),
-    ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False),
-    ("<|repo_name|>", False),
-    ("<|file_sep|>", False),
-    ("<tool_response>", False),
-    ("</tool_response>", False),
-    ("<think>", False),
-    ("</think>", False),
+# Qwen3's added tokens in id order from 151,643. The first 14 are special (as in Qwen3's
+# tokenizer_config.json): `skip_special_tokens` drops them, not the others.
+_SPECIAL = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
+    "<|image_pad|> <|video_pad|>"
+)
+_NOT_SPECIAL = (
+    "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>"
+)
+ADDED_TOKENS: tuple[tuple[str, bool], ...] = tuple(
+    [(token, True) for token in _SPECIAL.split()]
+    + [(token, False) for token in _NOT_SPECIAL.split()]
 )
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
