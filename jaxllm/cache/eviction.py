@@ -138,11 +138,11 @@ class PriorityPolicy(EvictionPolicy):
             self._heap = list(self._entries.values())
             heapq.heapify(self._heap)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class FIFOPolicy(PriorityPolicy):

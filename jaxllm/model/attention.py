@@ -2,15 +2,15 @@
 
 Every attention function is `fn(q, k_cache, v_cache, inputs) -> out` with
     q: [T, N, H] the step's queries (rotary embedding applied),
-    k_cache, v_cache: [NB, BS, K, H] one layer's cache, the step's own keys and values already
-        written at `inputs.slot_mapping`,
+    k_cache, v_cache: [NB, BS, K, H] a block pool (`KVCache.layer_views`) that `inputs`' block
+        tables address, the step's own keys and values already written,
     inputs: the step's `ModelInputs` (tiles, block tables, context lengths),
     out: [T, N, H] in q's dtype.
 Rows of a tile attend with a bottom-right causal mask: row i of tile g sits at position
 `context_lens[g] - tile_size + i` and sees the keys at positions up to its own.
 
-`Kernels` says which function runs prefill steps and which decode steps (tiles of one token);
-`jaxllm.platform` decides it, and the model receives it as a static argument.
+`Kernels`, decided by `jaxllm.platform` and a static argument of the model, says which function
+runs prefill steps and which decode steps (tiles of one token).
 
 Legend: T tokens, G tiles, R rows per tile (tile_size), W block-table width, NB blocks,
 BS block size, P context positions (W * BS), N query heads, K kv heads, Q query heads per kv
@@ -49,10 +49,8 @@ class Kernels:
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):
-            if getattr(self, kind) not in names:
-                raise ValueError(
-                    f"{kind} kernel must be one of {names}, not {getattr(self, kind)!r}"
-                )
+            if (name := getattr(self, kind)) not in names:
+                raise ValueError(f"{kind} kernel must be one of {names}, not {name!r}")
 
     @property
     def custom_calls(self) -> bool:
@@ -82,11 +80,8 @@ def attend(
 def reference_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inputs: ModelInputs
 ) -> jax.Array:
-    """Portable jax.numpy attention: gathers each tile's context through its block table.
-
-    Memory is O(G * P * K * H) for the gathered context, so this suits tests, CPUs and modest
-    batches.
-    """
+    """Portable jax.numpy attention: gathers each tile's context through its block table
+    (O(G * P * K * H) memory: for tests, CPUs and modest batches)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_tiles, width = inputs.block_tables.shape

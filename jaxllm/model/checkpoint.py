@@ -1,8 +1,8 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
 An orbax checkpoint directory holds `params/` (orbax) and `jaxllm_config.json` (the config).
-Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts each device's blocks, and only
-those, on that device: orbax restores shard by shard, random weights are made sharded.
+Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts on each device its own blocks
+only.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def load_params(
         The config (its dtype the params') and the param tree on the mesh's devices.
 
     Raises:
-        ValueError: an unknown preset or unsupported model, or a mesh that does not divide both
-            num_heads and num_kv_heads (checked before any weight is read); `CheckpointError`
-            for a directory that is not a checkpoint or does not match its config.
+        ValueError: an unknown preset or unsupported model, or a mesh that does not divide the
+            model (checked before any weight is read).
+        CheckpointError: a directory that is not a checkpoint or does not match its config.
     """
     if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
         name = path_or_preset.removeprefix(RANDOM_PREFIX)

@@ -20,7 +20,7 @@ class Qwen3Config:
     """Shape and numerics of a Qwen3 causal LM.
 
     Attributes:
-        dtype: parameter and activation dtype name ("float32" or "bfloat16"); attention softmax,
+        dtype: parameter and activation dtype name (`SUPPORTED_DTYPES`); attention softmax,
             the residual stream and the final logits are always float32.
     """
 
@@ -118,36 +118,26 @@ class Qwen3Config:
         )
 
 
-def _published(layers: int, hidden: int, heads: int, ffn: int, tied: bool) -> Qwen3Config:
+def _preset(layers: int, hidden: int, heads: int, ffn: int, tied: bool, **more: Any) -> Qwen3Config:
+    """A preset of the real vocabulary; `more` overrides 8 kv heads of 128 dims, bfloat16."""
     return Qwen3Config(
         vocab_size=151_936,
         hidden_size=hidden,
         intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=8,
-        head_dim=128,
         tie_word_embeddings=tied,
+        **({"num_kv_heads": 8, "head_dim": 128} | more),
     )
 
 
 PRESETS: dict[str, Qwen3Config] = {
     # A CPU-sized model with the real vocabulary, for tests and demos.
-    "qwen3-tiny": Qwen3Config(
-        vocab_size=151_936,
-        hidden_size=256,
-        intermediate_size=768,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-        dtype="float32",
-    ),
-    "qwen3-0.6b": _published(28, 1024, 16, 3072, tied=True),
-    "qwen3-1.7b": _published(28, 2048, 16, 6144, tied=True),
-    "qwen3-4b": _published(36, 2560, 32, 9728, tied=True),
-    "qwen3-8b": _published(36, 4096, 32, 12288, tied=False),
-    "qwen3-14b": _published(40, 5120, 40, 17408, tied=False),
-    "qwen3-32b": _published(64, 5120, 64, 25600, tied=False),
+    "qwen3-tiny": _preset(4, 256, 4, 768, tied=True, num_kv_heads=2, head_dim=64, dtype="float32"),
+    "qwen3-0.6b": _preset(28, 1024, 16, 3072, tied=True),
+    "qwen3-1.7b": _preset(28, 2048, 16, 6144, tied=True),
+    "qwen3-4b": _preset(36, 2560, 32, 9728, tied=True),
+    "qwen3-8b": _preset(36, 4096, 32, 12288, tied=False),
+    "qwen3-14b": _preset(40, 5120, 40, 17408, tied=False),
+    "qwen3-32b": _preset(64, 5120, 64, 25600, tied=False),
 }

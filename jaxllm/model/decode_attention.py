@@ -1,16 +1,13 @@
 """Paged decode attention as a Pallas (Triton) kernel: one program per sequence and key range.
 
-Decode is bound by reading the KV cache. FlashAttention-3 gives every (sequence, kv head) its
-own thread block, which for a query-head group of 2 spends a fixed cost per block that
-dominates at short contexts. Here a program takes all kv heads of one sequence: a tile of
-`ROWS` consecutive cache rows of one block ([tokens, K, H] is contiguous in jaxllm's layout)
-is one contiguous read, viewed as ROWS (token, kv head) keys. All N query heads score against
-all of them in one matmul, and each query head keeps only its own kv head's columns (a mask):
-the wasted multiply-adds are free beside the memory traffic. Long contexts are split over
-several programs (`num_splits`, each an equal share of its sequence's tiles) whose partial
-softmax results are merged afterwards.
-
-The "pallas" decode kernel of `attention.Kernels`; off a GPU it runs interpreted (tests).
+The "pallas" decode kernel of `attention.Kernels`; off a GPU it runs interpreted (tests). A
+program reads a tile of `ROWS` consecutive cache rows of one block ([tokens, K, H] is
+contiguous) as ROWS (token, kv head) keys, scores all N query heads against them in one matmul
+and masks each head to its own kv head's columns. Long contexts are split over `num_splits`
+programs whose partial softmax results are merged afterwards.
+NOTE: all kv heads in one program, because decode is bound by the cache reads: the masked
+multiply-adds are free, while FlashAttention-3's thread block per (sequence, kv head) spends a
+fixed cost that dominates at short contexts and query-head groups of 2.
 
 Legend: G sequences (tiles of one token), N query heads (padded to M), K kv heads, Q query
 heads per kv head, H head dim, P blocks of the pool, BS block size, W block-table width,
@@ -94,9 +91,9 @@ def _decode_kernel(
 
 
 def tile_rows(block_size: int, num_kv_heads: int, rows: int = ROWS) -> int | None:
-    """The kernel's tile (cache rows) for this cache layout, or None if it has none: the tile
-    stays inside one block and must be a power of two >= 16 that the kv heads (per device)
-    divide, into a number of tokens that divides the block size."""
+    """The kernel's tile (cache rows) for this cache layout, or None if it has none: a power of
+    two >= 16 inside one block that the kv heads (per device) divide, into a number of tokens
+    that divides the block size."""
     rows = min(rows, block_size * num_kv_heads)
     if rows < 16 or rows & (rows - 1) or rows % num_kv_heads or block_size % (rows // num_kv_heads):
         return None
@@ -136,10 +133,9 @@ def paged_decode_attention(
         key_pool, value_pool: [P, BS, K, H] the cache's blocks.
         block_tables: [G, W] int32 each sequence's blocks.
         context_lens: [G] int32 keys each sequence attends to (the first ones of its blocks).
-        num_splits: programs per sequence, each an equal share of its tiles (default:
-            `num_splits_for`).
-        rows, num_warps, num_stages: the tile (cache rows) and Triton's launch settings.
-        interpret: run the kernel in Pallas' interpreter (tests on a CPU).
+        num_splits: programs per sequence (default `num_splits_for`).
+        rows, num_warps, num_stages, interpret: the tile (cache rows), Triton's launch settings,
+            and Pallas' interpreter (tests on a CPU).
 
     Returns:
         [G, N, H] in q's dtype; zeros for a sequence with no context.
@@ -179,13 +175,11 @@ def paged_decode_attention(
         ],
         out_specs=[
             pl.BlockSpec((None, None, padded_heads, head_dim), lambda g, s: (g, s, 0, 0)),
-            pl.BlockSpec((None, None, padded_heads), lambda g, s: (g, s, 0)),
-            pl.BlockSpec((None, None, padded_heads), lambda g, s: (g, s, 0)),
+            *[pl.BlockSpec((None, None, padded_heads), lambda g, s: (g, s, 0))] * 2,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((num_sequences, splits, padded_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_sequences, splits, padded_heads), jnp.float32),
-            jax.ShapeDtypeStruct((num_sequences, splits, padded_heads), jnp.float32),
+            *[jax.ShapeDtypeStruct((num_sequences, splits, padded_heads), jnp.float32)] * 2,
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -1,11 +1,9 @@
 """FlashAttention-3 (Hopper) paged attention, from the optional `flash-attn3-jax` package.
 
-`pip install "jaxllm[hopper]"` brings it. On a Hopper GPU the engine runs prefill chunks with
-it (`jaxllm.platform`); decode steps run jaxllm's own kernel. FA3 takes the step's tiles
-directly: queries as `[G, R, N, H]`, the cache as a block pool with `page_table=block_tables`,
-and `cache_seqlens=context_lens` with a bottom-right-aligned causal mask, which is exactly the
-layout of `ModelInputs` (real rows last in each tile). It reads the cache, never writes it: the
-layer has already scattered the step's K/V into the donated cache.
+`pip install "jaxllm[hopper]"` brings it; `jaxllm.platform` decides when it runs. It takes the
+step's tiles as they are (`inputs.py`): queries `[G, R, N, H]`, `page_table=block_tables` and
+`cache_seqlens=context_lens` with a bottom-right causal mask. It only reads the cache, where the
+layer has already written the step's K/V.
 
 Legend: T tokens, G tiles, R rows per tile, N query heads, K kv heads, H head dim.
 """

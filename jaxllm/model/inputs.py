@@ -1,17 +1,12 @@
 """What one device step reads: the model's inputs and the sampler's, one format for host and device.
 
-The host (`jaxllm.sched.plan`) fills these with numpy arrays, starting from `padding(...)`; the
-runner hands them to the jitted step, where the same tuples hold traced arrays. This module
-imports no jax, so the host side can use it.
+The host (`jaxllm.sched.plan`) fills these with numpy arrays, starting from `padding(...)`; in
+the jitted step the same tuples hold traced arrays. This module imports no jax.
 
-Tokens of one step are laid out in *tiles* of `tile_size = T // G` consecutive tokens that all
-belong to one sequence and sit at consecutive positions. A sequence's chunk of new tokens is
-padded at the *front* up to a whole number of tiles, so that the real tokens of every tile come
-last and the tile's last row is always a real token. Decode steps use tiles of one token
-(G == T). This one layout serves every attention kernel: the portable jnp path gathers each
-tile's context through its block table, and FlashAttention-style kernels take `q` as
-`[G, tile_size, N, H]`, `page_table=block_tables`, `cache_seqlens=context_lens` with a
-bottom-right causal mask.
+A step's tokens are laid out in *tiles* of `tile_size = T // G` consecutive tokens of one
+sequence at consecutive positions. A sequence's chunk is padded at the *front* to whole tiles,
+so every tile's last row is a real token; decode steps use tiles of one token (G == T). Every
+attention kernel takes this layout (see `attention.py`).
 
 Legend: T tokens in the step, G tiles, W block-table width (blocks), S sampled rows.
 """
@@ -105,13 +100,8 @@ class SamplingInputs(NamedTuple):
     def from_params(
         cls, params: Sequence[SamplingParams], steps: Sequence[int], num_rows: int | None = None
     ) -> SamplingInputs:
-        """The rows' settings (numpy), padded to `num_rows` (default len(params)) greedy rows.
-
-        Args:
-            params: each row's SamplingParams.
-            steps: each row's number of generated tokens so far.
-            num_rows: the bucket's sampled rows.
-        """
+        """The rows' settings (numpy) from each row's SamplingParams and number of generated
+        tokens, padded with greedy rows to `num_rows` (default len(params))."""
         num_rows = len(params) if num_rows is None else num_rows
         if len(steps) != len(params) or num_rows < len(params):
             raise ValueError(f"{len(params)} params, {len(steps)} steps, {num_rows} rows")

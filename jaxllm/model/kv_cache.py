@@ -1,13 +1,13 @@
 """The paged KV cache: one keys array and one values array, each for every layer.
 
 Each is `[L, NB, BS, K, H]`: layer, block, offset in the block, kv head, head dim. A token's flat
-slot is `block_id * BS + offset`. Keys and values are two arrays rather than one `[L, 2, ...]`
-array because paged attention kernels (FlashAttention-3) take them as two operands of shape
-`[blocks, BS, K, H]`: `keys.reshape(L * NB, BS, K, H)` is free (a bitcast), with layer `l`'s
-block `b` at `l * NB + b`, while a slice of a combined array would be copied at every layer.
+slot is `block_id * BS + offset`. NOTE: two arrays, not one `[L, 2, ...]`, because paged
+attention kernels take keys and values as two `[blocks, BS, K, H]` operands:
+`keys.reshape(L * NB, BS, K, H)` is free, with layer `l`'s block `b` at `l * NB + b`, while a
+slice of a combined array would be copied at every layer.
 
-Under tensor parallelism both arrays are sharded on K (`KV_CACHE_AXES`): each device holds, and
-its attention reads, the kv heads of its own query heads.
+Under tensor parallelism both are sharded on K (`KV_CACHE_AXES`): each device holds the kv heads
+of its own query heads.
 
 Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 """
@@ -24,18 +24,14 @@ from jax.sharding import Mesh, NamedSharding
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.sharding import logical_to_spec, tensor_parallel_size
 
-# The logical axes of the keys and of the values array (see sharding.py).
+# The logical axes of the keys and of the values arrays (see sharding.py).
 KV_CACHE_AXES = ("layers", "blocks", "block_offset", "kv_heads", "head_dim")
 
 
 @struct.dataclass
 class KVCache:
-    """The whole paged cache (a pytree of two arrays, donated to every step).
-
-    Attributes:
-        keys: [L, NB, BS, K, H].
-        values: [L, NB, BS, K, H].
-    """
+    """The whole paged cache: `keys` and `values`, each [L, NB, BS, K, H] (a pytree, donated to
+    every step)."""
 
     keys: jax.Array
     values: jax.Array
@@ -71,7 +67,7 @@ def kv_cache_bytes_per_block(
     tensor_parallel_size: int = 1,
 ) -> int:
     """Bytes one block takes on each device, across all layers (to size the pool from free
-    memory); under tensor parallelism a device holds 1 / tensor_parallel_size of the kv heads."""
+    memory)."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
     kv_heads = config.num_kv_heads // tensor_parallel_size
     return config.num_layers * 2 * block_size * kv_heads * config.head_dim * itemsize
@@ -109,23 +105,18 @@ def allocate_kv_cache(
 def write_kv(
     kv_cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> KVCache:
-    """Scatters the new tokens' keys and values into one layer of the cache.
+    """Scatters the new tokens' keys and values into layer `layer`; returns the updated cache
+    (in place under jit when donated).
 
     Args:
-        kv_cache: the cache, updated in place under jit when donated.
-        layer: the layer index (a traced scalar in the layer scan and loop).
         k, v: [T, K, H] the new tokens' keys and values.
         slot_mapping: [T] flat slots; negative slots (padding) write nowhere. The others must
-            be distinct (the scheduler writes a sequence's new tokens only into blocks it owns
-            alone; `tests/sched` checks every descriptor): the scatter assumes it.
-
-    Returns:
-        The updated cache.
+            be distinct (the scheduler writes only into blocks a sequence owns alone).
     """
     num_blocks, block_size = kv_cache.num_blocks, kv_cache.block_size
-    # NOTE: JAX wraps negative indices, so padding slots are moved past the end (each to a slot
-    # of its own) and dropped. Every slot is then distinct, which lets XLA write the rows with
-    # plain stores: a scatter that may hit a slot twice costs ~30 us per layer on an H200.
+    # NOTE: JAX wraps negative indices, so padding slots move past the end (each to its own) and
+    # are dropped. Distinct slots let XLA use plain stores; a scatter that may hit a slot twice
+    # costs ~30 us per layer on an H200.
     beyond = num_blocks * block_size + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
     slots = jnp.where(slot_mapping < 0, beyond, slot_mapping)
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]

@@ -1,13 +1,8 @@
 """Qwen3's building blocks as Flax linen modules: RMSNorm, rotary embedding, attention, MLP.
 
 Every module is a pure function of its params and arguments; the paged KV cache goes in and
-comes out explicitly. Each weight is declared with its logical axes (`sharded`), which
-`jaxllm.model.sharding` maps to the mesh.
-
-Tensor parallelism: a module with `tp_size > 1` runs inside `shard_map` and declares and
-computes with its device's share of the sharded axes (N / tp heads, K / tp kv heads, F / tp ffn
-columns); the row-parallel projections (o_proj, down_proj) then add the devices' partial sums.
-With `tp_size == 1` the same code is the plain model.
+comes out explicitly. Each weight is declared with its logical axes (`sharded`). With
+`tp_size > 1` a module runs inside shard_map on its device's share (see `qwen3.py`).
 
 Legend: T tokens, N query heads, K kv heads, H head dim, D model dim, F ffn dim, V vocab,
 L layers (N, K, F, V: this device's share under tensor parallelism).
@@ -37,8 +32,8 @@ def sharded(axes: tuple[str, ...], init: nn.initializers.Initializer = WEIGHT_IN
 def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
     """A row-parallel projection's float32 output [T, D], summed over the devices' shares.
 
-    It updates the float32 residual stream (see DecoderLayer). Between devices the shares
-    travel in the model `dtype`, half of float32's bytes; one device keeps all of float32.
+    NOTE: the shares travel in the model `dtype`, half of float32's bytes; one device keeps
+    float32 for the residual stream (see DecoderLayer).
     """
     return sum_over_shards(out.astype(dtype), tp_size) if tp_size > 1 else out
 
@@ -46,8 +41,8 @@ def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
 def embed_tokens(embed: jax.Array, token_ids: jax.Array, tp_size: int) -> jax.Array:
     """Looks up `token_ids` [T] in the (vocab-parallel) embedding [V, D] -> [T, D].
 
-    Under tensor parallelism `embed` holds this device's rows of the vocabulary: tokens outside
-    them contribute zeros and the devices' rows are added, which is exact.
+    Under tensor parallelism tokens outside this device's vocab rows contribute zeros and the
+    devices' results are added, which is exact.
     """
     if tp_size == 1:
         return embed[token_ids]
@@ -106,9 +101,8 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache.
 
-    q/k/v are one column-parallel weight `qkv_proj` [D, K, G + 2, H]: for each kv head its
-    G = N / K query heads, its key and its value, so a device's kv heads carry their query heads
-    and one matmul computes all three. o_proj is row-parallel.
+    q/k/v are one column-parallel weight `qkv_proj` [D, K, G + 2, H] (G = N / K), so a device's
+    kv heads carry their query heads and one matmul computes all three. o_proj is row-parallel.
     """
 
     config: Qwen3Config
@@ -125,10 +119,7 @@ class Attention(nn.Module):
         layer: jax.Array,
         inputs: ModelInputs,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`).
-
-        Under tensor parallelism kv_cache holds this device's K kv heads.
-        """
+        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`)."""
         c = self.config
         dtype = c.jnp_dtype
         d, h = c.hidden_size, c.head_dim
@@ -138,7 +129,9 @@ class Attention(nn.Module):
         qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
         qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
-        if self._uses_qkv_kernel(inputs, k, g, h):
+        # The "pallas" decode steps fuse q/k norms, rotary embedding and the cache write.
+        fused = self.kernels.decode == "pallas" and inputs.tile_size == 1
+        if fused and qkv_kernel.kernel_fits(k, g, h):
             q_scale = NormScale(dtype, "head_dim", name="q_norm")(h)
             k_scale = NormScale(dtype, "head_dim", name="k_norm")(h)
             q, kv_cache = qkv_kernel.norm_rope_write(
@@ -153,25 +146,13 @@ class Attention(nn.Module):
             q, keys = apply_rotary(q, cos, sin), apply_rotary(keys, cos, sin)
             # NOTE: write first, so a chunk's tokens see each other through the cache.
             kv_cache = write_kv(kv_cache, layer, keys, values, inputs.slot_mapping)
-        # NOTE: the kernels see every layer's blocks as one pool; this layer's blocks are
-        # offset by layer * NB (see kv_cache.py), so nothing of the cache is sliced or copied.
+        # NOTE: the kernels see every layer's blocks as one pool (see kv_cache.py): no copy.
         key_pool, value_pool = kv_cache.layer_views()  # [L * NB, BS, K, H] each
         block_tables = inputs.block_tables + layer * kv_cache.num_blocks
         out = attend(q, key_pool, value_pool, inputs._replace(block_tables=block_tables),
                      self.kernels)  # fmt: skip
-        # this device's heads' share
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
-
-    def _uses_qkv_kernel(self, inputs: ModelInputs, num_kv_heads: int, group: int, head_dim: int):
-        """Whether q/k norms, rotary embedding and the cache write run as one kernel
-        (qkv_kernel.py): in decode steps of the "pallas" kernels, where XLA runs them as six
-        small kernels per layer."""
-        return (
-            self.kernels.decode == "pallas"
-            and inputs.tile_size == 1
-            and qkv_kernel.kernel_fits(num_kv_heads, group, head_dim)
-        )
 
 
 class MLP(nn.Module):
@@ -191,22 +172,18 @@ class MLP(nn.Module):
         down_proj = self.param("down_proj", sharded(("ffn", "embed")), (f, d), dtype)
         gate_up = jnp.einsum("TD,DGF->TGF", x, gate_up_proj)
         hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
-        # this device's share
         out = jnp.einsum("TF,FD->TD", hidden, down_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size)
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block.
-
-    The whole cache goes through every layer and each writes its slice at `layer`, so XLA
+    """One pre-norm transformer block; writes its K/V into the whole cache at `layer`, so XLA
     updates the donated buffer in place.
 
-    x, the residual stream, is float32 whatever the model's dtype, and o_proj and down_proj
-    add to it what their GEMMs accumulated in float32; the model dtype is for weights, GEMM
-    inputs and the KV cache. In bfloat16 each residual add would be a rounding: over the 28
-    layers of qwen3-0.6b (random weights) that puts the logits 1.25e-2 (relative) from
-    float32's instead of 0.69e-2 (`scripts/bf16_noise.py`).
+    NOTE: x, the residual stream, is float32 whatever the model dtype (weights, GEMM inputs, KV
+    cache), and o_proj and down_proj add their float32 accumulators to it. A bfloat16 stream
+    would round every add: the logits of qwen3-0.6b (random weights) end 1.25e-2 (relative)
+    from float32's, not 0.69e-2 (`scripts/bf16_noise.py`).
     """
 
     config: Qwen3Config

@@ -1,16 +1,14 @@
 """Loads a Hugging Face Qwen3 checkpoint (config.json + safetensors shards) into the param tree.
 
-One table, `HF_WEIGHTS`, maps every Hugging Face tensor name to a param path, a layout and, for
-the fused weights, the part of the param it fills. All names and shapes are checked against it
-before any data is read, and one `CheckpointError` names every missing, unmapped, duplicated or
-mis-shaped tensor.
+One table, `hf_weights`, maps every Hugging Face tensor name to a param path, a layout and, for
+fused weights, the part of the param it fills. Names and shapes are checked against it before
+any data is read; one `CheckpointError` names every missing, unmapped, duplicated or mis-shaped
+tensor.
 
-Sharded reading: each param is built device by device. For one device, the block of the param
-it holds (all of it without tensor parallelism) is read through `safe_open(...).get_slice`
-(memory-mapped: only the rows or columns of that block are read), converted into one host
-buffer, and sent to that device before the next device's block is read. Host memory so holds
-one device's block of one param at a time, never the model; with several processes
-(`jax.distributed`) each reads only the blocks of its own devices.
+Each param is built device by device: that device's block is read through
+`safe_open(...).get_slice` (memory-mapped: only its rows or columns), converted into one host
+buffer and sent to the device before the next block is read. Host memory so holds one block of
+one param at a time; with several processes (`jax.distributed`) each reads only its own devices'.
 
 Legend: D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim, V vocab.
 """
@@ -45,11 +43,10 @@ class CheckpointError(ValueError):
 class Layout:
     """How a Hugging Face tensor becomes a param.
 
-    `linear_in_axes == 0` copies the tensor. Otherwise the tensor is a torch Linear weight
-    [out, in]: it is transposed and reshaped so that the param's first `linear_in_axes` axes
-    are the input features (e.g. o_proj [D, N*H] -> [N, H, D]). A block of the param that splits
-    only the leading axis of its input or its output axes (every sharding of `sharding.py`) is
-    a contiguous range of the tensor's columns or rows.
+    `linear_in_axes == 0` copies the tensor. Otherwise it is a torch Linear weight [out, in],
+    transposed and reshaped so that the param's first `linear_in_axes` axes are the input
+    features (e.g. o_proj [D, N*H] -> [N, H, D]). A block that splits only the leading input or
+    output axis (every sharding of `sharding.py`) is a contiguous range of columns or rows.
     """
 
     linear_in_axes: int = 0
@@ -88,11 +85,11 @@ def _flat_slice(shape: tuple[int, ...], index: tuple[slice, ...]) -> slice:
 
 @dataclass(frozen=True)
 class Part:
-    """The entries `start` .. `start + size - 1` along `axis` of a fused param, filled by one
-    tensor: the part with `axis` merged into the axis before it is that tensor's param.
+    """Entries `start` .. `start + size - 1` along `axis` of a fused param, filled by one tensor
+    whose param is that part with `axis` merged into the axis before it.
 
-    E.g. q_proj is part (2, 0, G) of qkv_proj [D, K, G + 2, H]: [D, K, G, H] merged is
-    [D, N, H]; k_proj is part (2, G, 1): [D, K, 1, H] merged is [D, K, H].
+    E.g. q_proj is part (2, 0, G) of qkv_proj [D, K, G + 2, H] ([D, K, G, H] merged: [D, N, H]);
+    k_proj is part (2, G, 1) ([D, K, 1, H] merged: [D, K, H]).
     """
 
     axis: int
@@ -119,10 +116,8 @@ LINEAR_FROM_HEADS = Layout(linear_in_axes=2)
 
 
 def hf_weights(config: Qwen3Config) -> dict[str, tuple[tuple[str, ...], Layout, Part | None]]:
-    """Hugging Face name -> (param path, layout, part of a fused param or None).
-
-    `{i}` is the layer, whose params are under "layers_{i}".
-    """
+    """Hugging Face name -> (param path, layout, part of a fused param or None); `{i}` is the
+    layer, whose params are under "layers_{i}"."""
     g = config.num_heads // config.num_kv_heads
     attn, mlp, layer = "self_attn", "mlp", "model.layers.{i}"
     qkv, gate_up = ("attn", "qkv_proj"), ("mlp", "gate_up_proj")
@@ -205,12 +200,10 @@ def load_hf_checkpoint(
     """Reads a Hugging Face Qwen3 directory into device params, sharded over `mesh`.
 
     Args:
-        path: directory with config.json and one or many *.safetensors (sharded ones with
-            model.safetensors.index.json).
+        path: directory with config.json and *.safetensors (and, if several, the index).
         dtype: param dtype name; default the checkpoint's.
         progress: show a tqdm bar over the tensors.
-        mesh: the "tp" mesh the params are sharded over (`sharding.py`); default the first
-            device alone.
+        mesh: the "tp" mesh the params are sharded over; default the first device alone.
 
     Returns:
         The config (its dtype the params') and the param tree.
@@ -240,8 +233,7 @@ def load_hf_checkpoint(
                 if name in handles:
                     problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
                 handles[name] = handle
-        for name in sorted(expected.keys() - handles.keys()):
-            problems.append(f"missing tensor {name}")
+        problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
         for name in sorted(handles.keys() - expected.keys()):
             if not (name == TIED_EXTRA and config.tie_word_embeddings):
                 problems.append(f"unmapped tensor {name}")

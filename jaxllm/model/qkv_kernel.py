@@ -1,17 +1,11 @@
 """The decode step's q/k RMSNorm, rotary embedding and KV-cache write as one Pallas kernel.
 
-Between the fused q/k/v projection and attention a layer normalises the query and key heads,
-rotates them and scatters the new keys and values into the cache. XLA:GPU runs that as six
-small kernels per layer (two slices, two norms, two scatters; about 14 us of a decode step's
-layer on an H200, more than the q/k/v GEMM itself). Here one program per token does all of it:
-it reads the token's row of the projection [K, G + 2, H] once, writes its normalised, rotated
-queries, and writes its key and value into the cache in place (the cache is aliased to the
-output). Everything is computed in float32 and rounded once (the jax.numpy ops round after the
-norm too). On an H200 the kernel takes 3.4 us per layer at batch 256, and qwen3-0.6b's decode
-steps in bench.py 5.82 ms instead of 6.14 (docs/performance.md).
-
-Used by the "pallas" backend's decode steps (`layers.Attention`); off a GPU the kernel runs
-interpreted (tests).
+One program per token reads its row of the fused projection [K, G + 2, H] once, writes its
+normalised, rotated queries, and writes its key and value into the cache in place (aliased to
+the output), all in float32 rounded once. Used by the "pallas" backend's decode steps
+(`layers.Attention`); off a GPU it runs interpreted (tests).
+NOTE: XLA:GPU runs these as six small kernels per layer (two slices, two norms, two scatters;
+about 14 us of a decode layer on an H200, more than the q/k/v GEMM).
 
 Legend: T tokens, K kv heads, G query heads per kv head, H head dim, L layers, NB blocks,
 BS block size.

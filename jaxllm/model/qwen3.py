@@ -2,27 +2,21 @@
 
 `forward(params, config, kv_cache, inputs, kernels) -> (logits, kv_cache)` is the whole device
 step: embed, the decoder layers carrying the paged KV cache, the final norm, and the LM head at
-the sampled rows only. Jit it with `donate_argnums` on the cache so it is updated in place, and
-with `compiler_options=COMPILER_OPTIONS`, as the runner does.
+the sampled rows only. Jit it with the cache donated (updated in place) and with
+`compiler_options=COMPILER_OPTIONS`, as the runner does.
 
-Layers. Each layer has a param tree of its own ("layers_0" ... "layers_{L-1}") and the model
-loops over them in Python: nothing is sliced out of a stacked array, which XLA:GPU would copy
-before every matmul (a scan over stacked weights spent 7 ms of a 25.9 ms qwen3-8b decode step
-on an H200 copying them). The loop calls one jitted layer function with each layer's params and
-a traced layer index, so JAX traces and lowers one layer per step shape and XLA inlines the L
-calls.
+Each layer has a param tree of its own ("layers_{i}"); the model loops over them in Python,
+calling one jitted layer function with a traced layer index, so JAX lowers one layer per step
+shape and XLA inlines the L calls. NOTE: not a scan over stacked weights, whose slices XLA:GPU
+copies before every matmul (7 ms of a 25.9 ms qwen3-8b decode step on an H200).
 
-Tensor parallelism. `sharded_forward(config, mesh, kernels)` runs the same `forward` under
-`shard_map` over the mesh's "tp" axis. Inside, every array is one device's block: the module is
-built with `tp_size` (a static int beside the global, unchanged config) and derives its local
-shapes from both, N / tp query heads, K / tp kv heads, F / tp ffn columns and V / tp vocab
-rows, so the param shapes it declares are exactly the blocks shard_map hands it. Only four lines
-communicate: the vocab-parallel embedding and the two row-parallel projections of each layer
-(o_proj, down_proj) add the devices' partial results (`psum`), and the vocab-parallel LM head's
-logits are gathered, so every device returns the full [S, V] logits and the sampler runs on
-them replicated. At tp_size 1 no collective is emitted and `forward` is the plain model.
-Which axis is sharded is declared once: each weight's logical axes (below, in parentheses) and
-`sharding.LOGICAL_AXIS_RULES`.
+Tensor parallelism: `sharded_forward` runs `forward` under `shard_map` over the mesh's "tp"
+axis. The module gets `tp_size` beside the global config and declares one device's blocks (N / tp
+heads, K / tp kv heads, F / tp ffn columns, V / tp vocab rows). The vocab-parallel embedding and
+each layer's o_proj and down_proj add the devices' partial results (`psum`); the LM head's logits
+are gathered, so every device returns the full [S, V] logits. At tp_size 1 no collective is
+emitted. Which axes are sharded is declared once: each weight's logical axes (below, in
+parentheses) and `sharding.LOGICAL_AXIS_RULES`.
 
 Param tree, global shapes and logical axes (G = N / K):
     embed [V, D] (vocab, embed)
@@ -69,18 +63,11 @@ from jaxllm.model.sharding import (
 
 Params = dict[str, Any]
 
-EMBEDDING_PARAMS = ("embed", "lm_head")
-
-# NOTE: XLA's rematerialization pass is off for every model step. It can only recompute the
-# step's activations (a few hundred MB at most), never the donated cache, which fills the rest
-# of the memory; with the layers unrolled it counted that cache twice (the entry parameter and
-# the in-place-updated result), believed a full-memory step needed 2x the cache, and recomputed
-# matmuls on every step. The engine sizes the cache after measuring the step's own scratch
-# (`runner.step_scratch_bytes`).
-# NOTE: and no split-K GEMMs. At a decode step's few rows XLA:GPU's autotuner split o_proj's and
-# down_proj's contraction 8 ways, each split writing float32 partial sums that a kernel of its
-# own then added up (4.4 us per projection on an H200, about as long as the GEMM). Other
-# backends ignore the option.
+# NOTE: no rematerialization: it can only recompute the step's activations, never the donated
+# cache, but with the layers unrolled it counts the cache twice and recomputes matmuls on every
+# step. The engine sizes the cache from the step's scratch (`runner.step_scratch_bytes`).
+# NOTE: no split-K GEMMs: at decode's few rows XLA:GPU splits o_proj and down_proj 8 ways plus an
+# adding kernel (4.4 us per projection on an H200, as long as the GEMM). Other backends ignore it.
 COMPILER_OPTIONS = {
     "xla_disable_hlo_passes": "rematerialization",
     "xla_gpu_experimental_force_split_k": 1,
@@ -90,14 +77,9 @@ COMPILER_OPTIONS = {
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 decoder-only LM over a paged KV cache.
 
-    Attributes:
-        config: the model (global shapes).
-        tp_size: devices of the "tp" mesh axis; above 1 the module runs inside shard_map on one
-            device's blocks (see the module docstring).
-        kernels: the attention kernels (`attention.Kernels`).
-
-    The layers' params ("layers_{i}") are made by `init_params`, one layer at a time; the
-    module's own `init` makes the rest.
+    `config` holds global shapes; with `tp_size` > 1 the module runs inside shard_map on one
+    device's blocks (see the module docstring). `init` makes all params but the layers', which
+    `init_params` makes.
     """
 
     config: Qwen3Config
@@ -176,12 +158,8 @@ def sharded_forward(
     def step(params: Params, kv_cache: KVCache, inputs: ModelInputs):
         return forward(params, config, kv_cache, inputs, kernels, tp_size)
 
-    return shard_map(
-        step,
-        mesh,
-        in_specs=(param_specs(config), kv_cache_specs(), PartitionSpec()),
-        out_specs=(PartitionSpec(), kv_cache_specs()),
-    )
+    in_specs = (param_specs(config), kv_cache_specs(), PartitionSpec())
+    return shard_map(step, mesh, in_specs, out_specs=(PartitionSpec(), kv_cache_specs()))
 
 
 def _dummy_inputs() -> ModelInputs:
@@ -249,10 +227,9 @@ def abstract_params(config: Qwen3Config) -> Params:
 def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:
     """Random params (normal(0.02) weights, unit norms) made on the device(s).
 
-    One jitted function makes every layer, each from a key of its own (one function for the
-    whole model would compile every layer). With a mesh each device computes only its own
-    blocks (the jits' out_shardings); the values do not depend on the mesh (jax's
-    partitionable threefry). Without one the params are on the default device.
+    One jitted function makes every layer from a key of its own, so one layer is compiled. With
+    a mesh each device computes only its own blocks, and the values do not depend on the mesh
+    (jax's partitionable threefry); without one the params are on the default device.
     """
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
     shardings = {}
@@ -276,11 +253,5 @@ def param_count(config: Qwen3Config, non_embedding: bool = False) -> int:
     """Number of parameters, without allocating; `non_embedding` leaves out embed and lm_head."""
     tree = abstract_params(config)
     if non_embedding:
-        tree = {name: value for name, value in tree.items() if name not in EMBEDDING_PARAMS}
+        tree = {name: value for name, value in tree.items() if name not in ("embed", "lm_head")}
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
-
-
-def params_nbytes(params: Params) -> int:
-    """Total bytes of a param tree (arrays or ShapeDtypeStructs)."""
-    leaves = jax.tree.leaves(params)
-    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)

@@ -1,23 +1,17 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p and min-p, mixed per row.
 
-Filters apply in vLLM's order: temperature, then top-k, then top-p (on the distribution left by
-top-k), then min-p. Each filter keeps every token whose scaled logit reaches a per-row threshold,
-so tokens tied with the boundary token are kept too. Min-p compares each probability with the top
-one, a ratio that the earlier filters do not change (they always keep the top token), so it is
-applied to the scaled logits directly.
+Filters apply in vLLM's order: temperature, top-k, top-p (on what top-k left), min-p. Each keeps
+every token whose scaled logit reaches a per-row threshold, so ties with the boundary are kept.
+Min-p compares each probability with the top one's, a ratio the earlier filters leave unchanged
+(they keep the top token), so it applies to the scaled logits directly.
 
-The random draw is Gumbel-max over the whole vocabulary with noise from a key derived from
-(seed, step) of the row alone: a seeded request's tokens do not depend on the rest of the batch,
-its row index or the batch size.
+The draw is Gumbel-max over the vocabulary with noise keyed by the row's (seed, step) alone: a
+seeded request's tokens do not depend on the rest of the batch, its row or the batch size.
 
-The host picks one of four variants per step (`sampler_mode`), compiled separately: "greedy"
-(all rows greedy: an argmax), "random" (no row filters by top-k, top-p or min-p: one pass over
-the logits), "top-k" (the rows that filter by top-k keep at most 256 tokens; or min-p alone)
-and "filtered" (the general case, which may need a full sort). The choice is made on the
-host, not with `lax.cond` on device values: outside CUDA graphs, XLA:GPU copies a
-conditional's predicate to the host and waits for it, which holds the dispatching thread until
-the device has finished everything queued before (the model's step) and so keeps the engine
-from preparing the next step meanwhile.
+The host picks one of `SAMPLER_MODES` per step (`sampler_mode`), each compiled separately.
+NOTE: chosen on the host, not by `lax.cond` on device values: outside CUDA graphs XLA:GPU copies
+a conditional's predicate to the host and waits, which holds the dispatching thread until the
+queued model step is done.
 
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
@@ -32,13 +26,11 @@ from jaxllm.model.inputs import SamplingInputs
 
 # Rows whose temperature is below this are greedy (vLLM's epsilon).
 GREEDY_TEMPERATURE = 1e-5
-# Top-k/top-p first look among candidate logits: the `NUM_CANDIDATE_BLOCKS` blocks (of
-# `CANDIDATE_BLOCK_SIZE` consecutive tokens) with the largest maxima, sorted. Every logit above the
-# smallest of those block maxima is a candidate, so a kept set that ends above it is exact; this
-# holds for top_k <= 256 and, on trained models, for the usual top_p. Only other rows sort their
-# whole row. On an H200 (jax 0.11, S=512, V=151,936) a step with top_k=20, top_p=0.95 takes
-# 2.1 ms, against 3.9 ms with `lax.top_k` (which costs a full sort there, 5.3 ms) and 7.8 ms for
-# rows that need the full sort; temperature alone 1.3 ms, all greedy 0.24 ms.
+# Top-k/top-p first look among candidates: the logits of the `NUM_CANDIDATE_BLOCKS` blocks (of
+# `CANDIDATE_BLOCK_SIZE` tokens) with the largest maxima. Exact for top_k <= 256 and for any kept
+# set that ends above the smallest block maximum (the usual top_p on trained models); other rows
+# sort their whole row. NOTE: on an H200 (S=512, V=151,936) top_k=20, top_p=0.95 takes 2.1 ms
+# per step, against 3.9 ms with `lax.top_k` and 7.8 ms with a full sort.
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
@@ -53,10 +45,10 @@ def sampler_mode(
 ) -> str:
     """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
 
-    "greedy" when every row is greedy; "random" when no random row filters (by top-k, top-p or
-    min-p); "top-k" when every random row that filters by top-k or top-p keeps at most
-    `NUM_CANDIDATE_BLOCKS` tokens by top-k (whatever its top-p; Qwen3's recommended top_k=20,
-    top_p=0.95 is such a row), or when rows filter by min-p alone; else "filtered".
+    "greedy": every row is greedy (an argmax). "random": no random row filters (one pass over
+    the logits). "top-k": every random row that filters by top-k or top-p has 1 <= top_k <=
+    `NUM_CANDIDATE_BLOCKS` (e.g. Qwen3's recommended top_k=20, top_p=0.95), or rows filter by
+    min-p alone; no full sort. "filtered": the general case, which may sort whole rows.
     """
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
@@ -65,8 +57,7 @@ def sampler_mode(
     top_k = np.where(top_k >= vocab_size, 0, top_k)
     filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0))
     if not filtering.any():
-        # NOTE: min-p needs the probabilities, which "random" skips, but no sort: "top-k" has
-        # them and no full-sort fallback (whose `lax.cond` would hold the host).
+        # NOTE: min-p needs the probabilities, which "random" skips, but no sort.
         return "top-k" if (random_rows & (np.asarray(min_p) > 0)).any() else "random"
     small_k = (top_k >= 1) & (top_k <= NUM_CANDIDATE_BLOCKS)
     return "top-k" if small_k[filtering].all() else "filtered"
@@ -85,9 +76,8 @@ def sample(
     Args:
         logits: [S, V] float32.
         inputs: the rows' settings, each field [S].
-        candidate_block_size: tokens per block when looking for top-k/top-p candidates.
-        num_candidate_blocks: blocks kept as candidates (tests shrink these to reach the
-            full-sort path; results never depend on them).
+        candidate_block_size, num_candidate_blocks: the top-k/top-p candidates (tests shrink
+            them to reach the full-sort path; results never depend on them).
         mode: one of `SAMPLER_MODES`; "filtered" is exact for any rows, the others only for
             the rows `sampler_mode` gives them for.
 
@@ -105,8 +95,7 @@ def sample(
     vocab_size = scaled.shape[-1]
     noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
     if mode == "random":
-        # NOTE: one pass over the logits. Greedy rows (scaled by 1) get no noise, so their
-        # argmax is the greedy token.
+        # NOTE: greedy rows (scaled by 1) get no noise, so their argmax is the greedy token.
         noise = jnp.where(is_greedy[:, None], 0.0, noise)
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
@@ -118,16 +107,9 @@ def sample(
     top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
     filtered = (top_k > 0) | (top_p < 1.0)
     threshold = _top_k_top_p_threshold(
-        scaled,
-        ratio,
-        row_max,
-        top_k,
-        top_p,
-        filtered,
-        candidate_block_size,
-        num_candidate_blocks,
-        fallback=mode == "filtered",
-    )
+        scaled, ratio, row_max, top_k, top_p, filtered, candidate_block_size,
+        num_candidate_blocks, fallback=mode == "filtered",
+    )  # fmt: skip
     keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
     # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
     # it may round below a min_p near 1); without it a row could keep nothing.
@@ -148,9 +130,9 @@ def _mix32(x: jax.Array) -> jax.Array:
 def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
     """[S, V] Gumbel noise; row s is a function of (seeds[s], steps[s]) only.
 
-    A counter-based hash (two rounds of a 32-bit mixer over the token index, keyed by the
-    row's seed and step) instead of `jax.random` per row: the noise is one fused elementwise
-    pass over the logits, where vmapped threefry keys cost a millisecond per step at S=512.
+    NOTE: a counter-based hash of the token index keyed by the row's seed and step, not
+    `jax.random` per row: one fused elementwise pass, where vmapped threefry keys cost a
+    millisecond per step at S=512.
     """
     golden = jnp.uint32(0x9E37_79B9)
     row_key = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) * golden + 1))
@@ -161,26 +143,16 @@ def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Ar
 
 
 def _top_k_top_p_threshold(
-    scaled: jax.Array,
-    ratio: jax.Array,
-    row_max: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    filtered: jax.Array,
-    block_size: int,
-    num_blocks: int,
-    fallback: bool = True,
+    scaled, ratio, row_max, top_k, top_p, filtered, block_size: int, num_blocks: int, fallback=True
 ) -> jax.Array:
-    """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing).
+    """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing);
+    `scaled` and `ratio` are [S, V], the other arrays [S].
 
     Each row's threshold comes from its candidates when that is exact: always for 1 <= top_k <=
     `num_blocks` (the k largest logits lie in the k blocks with the largest maxima), else when
-    the kept set ends strictly above the candidates' bound. The other rows (if any) sort their
-    whole row. The choice is per row, so a row's result does not depend on the other rows.
-
-    NOTE: the full sort runs under `lax.cond` (it costs milliseconds and is rarely needed); on a
-    GPU that conditional waits for the device. `fallback=False` leaves it out, for batches
-    whose filtering rows all have a small top_k (the "top-k" sampler mode).
+    the kept set ends strictly above the candidates' bound. Other rows sort their whole row,
+    under a `lax.cond` (see the module docstring) that `fallback=False` leaves out ("top-k").
+    The choice is per row, so a row's result does not depend on the other rows.
     """
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
     candidates, bound = _candidates(scaled, block_size, num_blocks)
@@ -215,11 +187,8 @@ def _kth_largest(descending: jax.Array, top_k: jax.Array) -> jax.Array:
 
 
 def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[jax.Array, jax.Array]:
-    """Each row's candidate logits (its blocks with the largest maxima), sorted, and their bound.
-
-    Returns:
-        ([S, W] candidate logits, descending, [S] bound: every logit above it is a candidate).
-    """
+    """[S, W] each row's candidate logits (its blocks with the largest maxima), descending, and
+    [S] their bound: every logit above it is a candidate."""
     num_rows, vocab_size = scaled.shape
     total_blocks = -(-vocab_size // block_size)
     if num_blocks >= total_blocks:
@@ -235,21 +204,14 @@ def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[ja
 
 
 def _threshold_from_sorted(
-    descending: jax.Array,
-    row_max: jax.Array,
-    full_mass: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    k_mass: jax.Array | None = None,
+    descending, row_max, full_mass, top_k, top_p, k_mass: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Top-k/top-p thresholds from the W largest scaled logits of each row, [S, W] descending.
+    """[S] the combined top-k/top-p threshold and [S] the top-k one (-inf where top-k is off),
+    from the W largest scaled logits of each row, [S, W] descending. Exact when both end
+    strictly inside the W values (always when W == V).
 
     `k_mass` is the top-k set's mass (in units of the top token's probability) where the
     caller knows it; else it is summed over the W values.
-
-    Returns:
-        ([S] the combined threshold, [S] the top-k one (-inf where top-k is off)). Exact when
-        both end strictly inside the W values (always when W == V).
     """
     k_threshold = _kth_largest(descending, top_k)
     in_top_k = descending >= k_threshold[:, None]  # [S, W]

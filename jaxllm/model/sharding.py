@@ -1,19 +1,16 @@
 """Tensor parallelism: the mesh axis `tp`, the one table from logical axes to it, and shard_map.
 
-Every weight names its axes where the model declares it (`nn.with_logical_partitioning` in
-`layers.py` and `qwen3.py`, e.g. qkv_proj is ("embed", "kv_heads", "qkv", "head_dim")), and so
-does the KV cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` below maps those names to
-the mesh axis `tp` or to None (replicated); it is the only place that decides what is sharded:
+Every weight names its axes where the model declares it (`layers.sharded`), and so does the KV
+cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` maps those names to `tp` or to None
+(replicated); it alone decides what is sharded:
 
     heads, kv_heads   qkv_proj column-parallel, o_proj row-parallel, the KV cache on K
     ffn               gate_up_proj column-parallel, down_proj row-parallel
     vocab             the embedding and the LM head vocab-parallel
 
-The step runs under `shard_map` over a one-axis `Mesh` ("tp"): each device computes with its
-own heads, ffn columns and vocab rows (local shapes), and the model adds the partial sums of the
-row-parallel projections with `psum` (see `qwen3.py`). The mesh is made once by the engine
-(`make_mesh`) and passed beside the frozen config, never stored in it. Across hosts the same
-mesh spans every process's devices once `jax.distributed.initialize` has run (docs/multihost.md).
+The step runs under `shard_map` over a one-axis mesh (see `qwen3.py`). The engine makes the
+mesh once (`make_mesh`) and passes it beside the frozen config. Across hosts it spans every
+process's devices once `jax.distributed.initialize` has run (docs/multihost.md).
 
 Legend: L layers, D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim,
 V vocab, NB blocks, BS block size.
@@ -33,7 +30,7 @@ from jaxllm.model.config import Qwen3Config
 
 TP_AXIS = "tp"
 
-# Logical axis -> mesh axis (None: replicated on every device). The one sharding table.
+# Logical axis -> mesh axis (None: replicated on every device).
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "layers": None,  # L (the KV cache)
     "embed": None,  # D
@@ -65,8 +62,8 @@ def tensor_parallel_size(mesh: Mesh) -> int:
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices.
 
-    With several processes (`jax.distributed.initialize`), `jax.devices()` lists every
-    process's devices, so the mesh spans hosts; every process must own some of its devices.
+    With several processes (`jax.distributed.initialize`) the mesh spans hosts, and every
+    process must own some of its devices.
 
     Raises:
         ValueError: fewer devices than `tensor_parallel_size`, or a process left out.
@@ -112,18 +109,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_map(
     f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any
 ) -> Callable[..., Any]:
-    """`jax.shard_map` (jax >= 0.7), else `jax.experimental.shard_map.shard_map`.
+    """`jax.shard_map` without the replication check.
 
-    The replication check is off: the step's outputs are either sharded or the result of an
-    all-gather, which is replicated, but jax has no public all-gather typed as such.
+    NOTE: the outputs are sharded or all-gathered (replicated), but jax has no public all-gather
+    typed as such.
     """
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map as experimental_shard_map
-
-    return experimental_shard_map(
-        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
-    )
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def sum_over_shards(x: jax.Array, tensor_parallel_size: int) -> jax.Array:
@@ -150,12 +141,11 @@ def gspmd_partitioner() -> Iterator[None]:
 
 
 def partitioner_for(mesh: Mesh, custom_calls: bool) -> contextlib.AbstractContextManager:
-    """The context to lower and compile a model step over `mesh` in.
+    """The context to lower and compile a model step over `mesh` in: GSPMD for TP steps that
+    call kernels outside XLA, else JAX's default.
 
-    NOTE: with jax 0.11.2 on two H200s, XLA's Shardy pass ("shardy-xla") segfaulted compiling
-    the model step with FlashAttention-3's custom call at TP=2 (FA3 alone under shard_map
-    compiled; `scripts/tp_flash_check.py`). Steps that call kernels outside XLA are lowered for
-    the GSPMD partitioner instead; everything else keeps JAX's default.
+    NOTE: XLA's Shardy pass segfaults compiling the TP=2 step with FlashAttention-3's custom
+    call (jax 0.11.2, two H200s; `scripts/tp_flash_check.py`).
     """
     if tensor_parallel_size(mesh) > 1 and custom_calls:
         return gspmd_partitioner()

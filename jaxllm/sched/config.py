@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler, the block pool and the batch builder need to know.
+    """What the scheduler, the block pool and the step plans need to know.
 
     Attributes:
         num_blocks: KV blocks in the cache (known once the device memory is measured).
@@ -15,20 +15,20 @@ class SchedulerConfig:
         max_num_seqs: the most running sequences, hence the largest decode batch.
         max_num_batched_tokens: the token budget of a prefill step, counted after padding each
             sequence's chunk to whole tiles; a multiple of `prefill_tile`.
+        eos_token_ids: tokens that end a request unless its params say `ignore_eos`.
         max_model_len: the longest sequence (prompt plus output) a request may reach.
         prefill_tile: prefill tokens are laid out in tiles of this many tokens of one sequence.
         enable_prefix_caching: reuse cached KV of identical full blocks across requests.
-        eos_token_ids: tokens that end a request unless its params say `ignore_eos`.
     """
 
     num_blocks: int
     block_size: int = 256
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 4096
     prefill_tile: int = 128
     enable_prefix_caching: bool = True
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
