@@ -1,4 +1,13 @@
-"""Test-wide settings: emulated CPU devices for tensor parallelism, and the `gpu` marker."""
+"""Test-wide settings (emulated CPU devices for tensor parallelism, the `gpu` marker) and the
+fixtures tests of any directory share: tiny random Qwen3 checkpoints written by transformers,
+their greedy references, and a few session-scoped engines (compiled lazily, bucket by bucket).
+
+Pytest puts `tests/` on sys.path for this file, so tests import helpers from `support`. The
+fixtures import them (and so torch, transformers and jax) only when first used: the host-side
+tests (`tests/sched`, `tests/cache`) load none of them.
+"""
+
+from __future__ import annotations
 
 import os
 
@@ -7,7 +16,30 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from typing import TYPE_CHECKING
+
+import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from support.hf import Checkpoint, HFModel
+
+    from jaxllm import LLM
+
+# `hf_model`'s shapes: name -> random_qwen3's arguments, and the checkpoint's max shard size.
+HF_MODEL_SHAPES = {
+    "tied-mqa": dict(tied=True, num_heads=4, num_kv_heads=1, head_dim=64, hidden=128, layers=2),
+    "untied-gqa": dict(tied=False, num_heads=4, num_kv_heads=2, head_dim=128, hidden=96, layers=3),
+    "tied-mha-sharded": dict(
+        tied=True,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden=128,
+        layers=2,
+        max_shard_size="100KB",
+    ),
+}
 
 
 def _has_gpu() -> bool:
@@ -23,3 +55,76 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", params=list(HF_MODEL_SHAPES))
+def hf_model(request, tmp_path_factory) -> HFModel:
+    """Each shape of HF_MODEL_SHAPES (vocabulary 256), saved by transformers and loaded by jaxllm
+    in float32."""
+    from support.hf import save_hf_model
+
+    path = tmp_path_factory.mktemp(request.param)
+    return save_hf_model(request.param, path, **HF_MODEL_SHAPES[request.param])
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Checkpoint:
+    """The engine tests' checkpoint: `random_qwen3()`'s default shape, vocabulary 256."""
+    from support.hf import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("qwen3-vocab256"))
+
+
+@pytest.fixture(scope="session")
+def greedy_prompts() -> list[list[int]]:
+    from support.engine import PROMPT_LENGTHS
+    from support.hf import VOCAB_SIZE
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB_SIZE, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(checkpoint, greedy_prompts) -> list[list[int]]:
+    from support.engine import NUM_GREEDY_TOKENS
+
+    return [checkpoint.greedy(prompt, NUM_GREEDY_TOKENS) for prompt in greedy_prompts]
+
+
+@pytest.fixture(scope="session")
+def make_llm(checkpoint):
+    """make_llm(attention=None, **settings) -> a shared LLM on the vocab-256 checkpoint, built
+    once per settings."""
+    from support.engine import BASE_SETTINGS, make_llm_with
+
+    engines: dict[tuple, LLM] = {}
+
+    def make(attention: str | None = None, **overrides) -> LLM:
+        settings = BASE_SETTINGS | overrides
+        key = (attention, *sorted(settings.items()))
+        if key not in engines:
+            engines[key] = make_llm_with(checkpoint.path, attention, **settings)
+        return engines[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(make_llm) -> LLM:
+    """The default engine: prefix caching on, budget 256 tokens, block 16, 8 sequences."""
+    return make_llm()
+
+
+@pytest.fixture(scope="session")
+def text_llm() -> LLM:
+    """The embedded random qwen3-tiny (the real vocabulary and tokenizer), for text tests."""
+    from jaxllm import LLM
+
+    return LLM(
+        "random:qwen3-tiny",
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        kvcache_block_size=16,
+        compile_at_startup=False,
+    )

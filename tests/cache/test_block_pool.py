@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_helpers import compute
+from support.blocks import compute
 
 from jaxllm.cache import BlockPool, IntegrityError, LRUPolicy, extend_block_hashes, hash_block
 

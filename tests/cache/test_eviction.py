@@ -4,9 +4,9 @@ reference over random event sequences."""
 from __future__ import annotations
 
 import pytest
-from cache_helpers import compute
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.blocks import compute
 
 from jaxllm.cache import (
     BlockPool,

@@ -7,13 +7,18 @@ import time
 import jax
 import numpy as np
 import pytest
+from support.engine import BASE_SETTINGS, assert_idle, greedy_params
 
 import jaxllm
 from jaxllm import LLM, SamplingParams
 
-from .conftest import BASE_SETTINGS, assert_idle, greedy_params
-
 PROMPT = "The capital of France is"
+# A small ladder compiled (and warmed up) at start-up.
+COMPILED_AT_STARTUP = BASE_SETTINGS | {
+    "max_num_seqs": 2,
+    "max_num_batched_tokens": 32,
+    "compile_at_startup": True,
+}
 
 
 def joined(deltas) -> tuple[str, list[int]]:
@@ -155,13 +160,8 @@ def test_one_call_generate_with_the_embedded_default():
 
 
 def test_startup_phases_account_for_the_compile(checkpoint):
-    settings = BASE_SETTINGS | {
-        "max_num_seqs": 2,
-        "max_num_batched_tokens": 32,
-        "compile_at_startup": True,
-    }
     start = time.perf_counter()
-    llm = LLM(checkpoint.path, **settings)
+    llm = LLM(checkpoint.path, **COMPILED_AT_STARTUP)
     elapsed = time.perf_counter() - start
 
     phases = llm.startup_seconds
@@ -180,12 +180,7 @@ def test_startup_phases_account_for_the_compile(checkpoint):
 
 
 def test_warm_up_runs_every_executable_once_and_writes_nothing(checkpoint):
-    settings = BASE_SETTINGS | {
-        "max_num_seqs": 2,
-        "max_num_batched_tokens": 32,
-        "compile_at_startup": True,
-    }
-    llm = LLM(checkpoint.path, **settings)
+    llm = LLM(checkpoint.path, **COMPILED_AT_STARTUP)
     runner = llm.engine.runner
     runs = []
 

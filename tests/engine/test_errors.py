@@ -7,11 +7,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from support.engine import BASE_SETTINGS, MAX_MODEL_LEN, assert_idle, greedy_params
+from support.hf import VOCAB_SIZE
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
-
-from .conftest import BASE_SETTINGS, MAX_MODEL_LEN, VOCAB_SIZE, assert_idle, greedy_params
 
 GOOD_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

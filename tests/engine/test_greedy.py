@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from .conftest import BLOCK_SIZE, NUM_GREEDY_TOKENS, VOCAB_SIZE, assert_idle, greedy_params
+from support.engine import BLOCK_SIZE, NUM_GREEDY_TOKENS, assert_idle, greedy_params
+from support.hf import VOCAB_SIZE
 
 # name -> engine settings over BASE_SETTINGS
 SCHEDULES = {

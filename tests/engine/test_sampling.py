@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sampling_reference import assert_matches, exact_distribution
+from support.engine import BASE_SETTINGS, assert_idle
+from support.hf import VOCAB_SIZE
+from support.sampling import assert_matches, exact_distribution
 
 from jaxllm import LLM, SamplingParams
-
-from .conftest import BASE_SETTINGS, VOCAB_SIZE, assert_idle
 
 NUM_SEEDS = 2000
 TEMPERATURE = 0.4

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.hf import VOCAB_SIZE
 
 from jaxllm import LLM, SamplingParams
-
-from .conftest import VOCAB_SIZE
 
 NUM_REQUESTS = 2000
 MAX_MODEL_LEN = 256

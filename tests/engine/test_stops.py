@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.engine import BASE_SETTINGS, assert_idle
+from support.hf import VOCAB_SIZE, random_qwen3
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.tokenizer import qwen3_tokenizer
-
-from .conftest import BASE_SETTINGS, VOCAB_SIZE, assert_idle, make_hf_model
 
 PROMPT = [11, 22, 33, 44, 55]
 NUM_TOKENS = 24
@@ -143,7 +143,7 @@ def test_token_ids_the_tokenizer_does_not_know(tmp_path):
     """Qwen3's vocab (151,936) is padded past its tokenizer's (151,669): a model that only
     generates such ids, from a prompt of such ids, with a stop string to search for."""
     vocab_size = 151_936
-    model = make_hf_model(vocab_size=vocab_size, hidden=32, layers=1)
+    model = random_qwen3(vocab_size=vocab_size, hidden=32, layers=1)
     unknown = [151_700, 151_935]
     with torch.no_grad():
         head = model.lm_head.weight

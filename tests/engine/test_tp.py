@@ -57,7 +57,7 @@ def save_checkpoint(
 ) -> tuple[Path, list[list[int]]]:
     """A transformers Qwen3 saved to disk, and its greedy tokens for `make_prompts()`."""
     import torch
-    from hf_reference import random_qwen3
+    from support.hf import random_qwen3
 
     model = random_qwen3(
         vocab_size=VOCAB,
@@ -102,7 +102,7 @@ def check_greedy_tokens_and_shards(
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
     KV cache are split `tp` ways (each layer's fused q/k/v by kv heads, with their queries)."""
-    from .conftest import make_llm_with
+    from support.engine import make_llm_with
 
     path, reference = checkpoint
     llm = make_llm_with(path, attention, tensor_parallel_size=tp, **SETTINGS)

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.inputs import Chunk, build_inputs
 
 from jaxllm.model.attention import Kernels, reference_attention
 
-from .helpers import Chunk, build_inputs
+pytestmark = pytest.mark.usefixtures("exact_float32_matmuls")
 
 BLOCK_SIZE, NUM_BLOCKS, WIDTH = 8, 12, 3
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
-
-
-@pytest.fixture(autouse=True)
-def exact_float32_matmuls():
-    """GPUs default to TF32 for float32 matmuls (~1e-3 relative error); CPUs are exact anyway."""
-    with jax.default_matmul_precision("highest"):
-        yield
 
 
 def dense_attention(q, k, v):

@@ -6,14 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.hf import HFModel
+from support.inputs import Chunk, build_inputs
 
 from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import PRESETS
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import abstract_params, forward
-
-from .conftest import HFModel
-from .helpers import Chunk, build_inputs
 
 
 def bitwise_equal(a: jax.Array, b: jax.Array) -> bool:

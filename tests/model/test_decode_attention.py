@@ -7,15 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.inputs import relative_error
 
 from jaxllm.model.attention import reference_attention
 from jaxllm.model.decode_attention import num_splits_for, paged_decode_attention
 from jaxllm.model.inputs import ModelInputs
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def decode_case(rng, batch, heads, kv_heads, head_dim, block_size, width, dtype):

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.inputs import Chunk, build_inputs, relative_error
 
 from jaxllm.model import flash_attention
 from jaxllm.model.attention import Kernels, reference_attention
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
-
-from .helpers import Chunk, build_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +26,6 @@ KERNELS = {
     "flash": Kernels("flash", "flash"),
     "pallas": Kernels("flash" if flash_attention.installed() else "reference", "pallas"),
 }
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def random_chunks(rng, count: int, max_start: int, max_new: int, num_blocks: int, room: int = 0):

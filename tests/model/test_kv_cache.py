@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.inputs import Chunk, build_inputs, small_config
 
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, write_kv
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward, init_params
-
-from .helpers import Chunk, build_inputs, small_config
 
 CONFIG = small_config()
 

@@ -11,18 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from support.hf import HFModel, random_qwen3
 
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.loader import INDEX_FILE, CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import abstract_params
 
-from .conftest import HFModel, make_hf_model
-
 
 @pytest.fixture(scope="module")
 def tied_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tied")
-    make_hf_model(True, 4, 2, 64, 128, 2).save_pretrained(path)
+    random_qwen3(
+        tied=True, num_heads=4, num_kv_heads=2, head_dim=64, hidden=128, layers=2
+    ).save_pretrained(path)
     return path
 
 

@@ -9,24 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.hf import VOCAB_SIZE, HFModel
+from support.inputs import Chunk, build_inputs, relative_error
 
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward
 
-from .conftest import VOCAB_SIZE, HFModel
-from .helpers import Chunk, build_inputs, relative_error
+pytestmark = pytest.mark.usefixtures("exact_float32_matmuls")
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32
 TABLE_WIDTH = 6  # 48 positions per sequence
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def exact_float32_matmuls():
-    """GPUs default to TF32 for float32 matmuls (~1e-3 relative error); CPUs are exact anyway."""
-    with jax.default_matmul_precision("highest"):
-        yield
 
 
 step = jax.jit(forward, static_argnums=1, donate_argnums=2)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.inputs import Chunk, build_inputs, relative_error, small_config
 
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
@@ -15,8 +16,6 @@ from jaxllm.model.kv_cache import KVCache, allocate_kv_cache, write_kv
 from jaxllm.model.layers import apply_rotary, rotary_cos_sin
 from jaxllm.model.qkv_kernel import kernel_fits, norm_rope_write
 from jaxllm.model.qwen3 import forward, init_params
-
-from .helpers import Chunk, build_inputs, relative_error, small_config
 
 EPS = 1e-6
 

@@ -6,12 +6,11 @@ import re
 
 import jax
 from jax.sharding import NamedSharding
+from support.inputs import Chunk, build_inputs, small_config
 
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward, init_params, param_specs
 from jaxllm.model.sharding import make_mesh
-
-from .helpers import Chunk, build_inputs, small_config
 
 CONFIG = small_config(num_heads=4, num_kv_heads=2)
 INPUTS = build_inputs(

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sampling_reference import assert_matches, exact_distribution
+from support.sampling import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
 from jaxllm.model.inputs import SamplingInputs, fold_seed

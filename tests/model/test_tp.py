@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from support.hf import VOCAB_SIZE, random_qwen3
+from support.inputs import Chunk, build_inputs, relative_error
 
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import load_params, save_params
@@ -24,11 +26,11 @@ from jaxllm.model.sharding import (
     partitioner_for,
 )
 
-from .conftest import VOCAB_SIZE, make_hf_model
-from .helpers import Chunk, build_inputs, relative_error
-
 # 8 query heads, 4 kv heads, head dim 64, hidden 128 (ffn 288), 2 layers.
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 8, 4, 64, 128, 2
+SHAPE = dict(
+    num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN, layers=LAYERS
+)
 BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 8, 16, 4
 
 # Param path ("layer" for any "layers_{i}") -> the axis sharded over "tp" (None: replicated).
@@ -54,7 +56,7 @@ def sharded_axis(name: tuple[str, ...]) -> int | None:
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def checkpoint(request, tmp_path_factory):
     tied = request.param == "tied"
-    model = make_hf_model(tied, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS)
+    model = random_qwen3(tied=tied, **SHAPE)
     path = tmp_path_factory.mktemp(f"tp-{request.param}")
     model.save_pretrained(path)
     config, params = load_params(path, dtype="float32")
@@ -119,7 +121,7 @@ def test_sharded_loading_sends_each_device_its_block_only(tmp_path, monkeypatch,
     """The host builds and sends one device's block at a time (so host memory holds one block,
     not a param or the model), and every device gets only its own blocks."""
     ffn = 1024
-    model = make_hf_model(True, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS)
+    model = random_qwen3(tied=True, **SHAPE)
     model.config.intermediate_size = ffn
     transformers.Qwen3ForCausalLM(model.config).save_pretrained(tmp_path)
     sent = []
@@ -146,7 +148,7 @@ def test_sharded_loading_sends_each_device_its_block_only(tmp_path, monkeypatch,
 
 
 def test_tensor_parallel_size_must_divide_heads(tmp_path):
-    model = make_hf_model(True, 4, 2, HEAD_DIM, HIDDEN, LAYERS)
+    model = random_qwen3(tied=True, **SHAPE | dict(num_heads=4, num_kv_heads=2))
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"num_heads \(4\) and num_kv_heads \(2\)"):
         load_params(tmp_path, mesh=make_mesh(4))

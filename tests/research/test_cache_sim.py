@@ -10,10 +10,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.repo import ROOT
 
 from jaxllm.research import workloads as w
 from jaxllm.research.cache_sim import (
@@ -27,7 +27,6 @@ from jaxllm.research.cache_sim import (
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16
 
 

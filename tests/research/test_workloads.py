@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.repo import assert_import_leaves_out
 
 from jaxllm.research import workloads as w
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def tokens(requests) -> list[list[int]]:
@@ -161,10 +157,6 @@ def test_workload_from_arguments(argv, count, length):
 
 
 def test_workloads_import_no_jax():
-    code = (
-        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        "import jaxllm.research.workloads, jaxllm.research.cache_sim; "
-        "assert not {'jax', 'flax', 'matplotlib'} & set(sys.modules), sorted(sys.modules)"
+    assert_import_leaves_out(
+        "jaxllm.research.workloads, jaxllm.research.cache_sim", {"jax", "flax", "matplotlib"}
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_helpers import FakeDevice, Harness, make_config
+from support.sched import FakeDevice, Harness, make_config
 
 from jaxllm.runner import previous_rows
 from jaxllm.sampling_params import SamplingParams

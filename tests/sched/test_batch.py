@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_helpers import Harness, assert_plan_contract, make_config, make_scheduler, make_seq
+from support.sched import Harness, assert_plan_contract, make_config, make_scheduler, make_seq
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.repo import assert_import_leaves_out
 
 
 def test_cache_and_sched_import_no_jax():
-    code = (
-        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        "import jaxllm.cache, jaxllm.sched; "
-        "assert not {'jax', 'flax'} & set(sys.modules), sorted(sys.modules)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    assert_import_leaves_out("jaxllm.cache, jaxllm.sched", {"jax", "flax"})

@@ -13,7 +13,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_helpers import Harness, expected_identities, make_config, next_token
+from support.sched import Harness, expected_identities, make_config, next_token
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, Sequence

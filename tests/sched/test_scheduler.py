@@ -8,7 +8,7 @@ KV identities and `check_integrity()` at every step.
 from __future__ import annotations
 
 import pytest
-from sched_helpers import Harness, make_scheduler, make_seq
+from support.sched import Harness, make_scheduler, make_seq
 
 from jaxllm.cache import hash_block
 from jaxllm.sampling_params import SamplingParams

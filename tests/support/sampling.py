@@ -1,7 +1,4 @@
-"""The distribution jaxllm's sampler must draw from, and the check that draws match it.
-
-Importable from any test package (pytest puts `tests/` on sys.path for the packages under it).
-"""
+"""The distribution jaxllm's sampler must draw from, and the check that draws match it."""
 
 from __future__ import annotations
 

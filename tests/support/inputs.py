@@ -1,4 +1,5 @@
-"""Test helpers: build `ModelInputs` for chunks of sequences, compare with transformers."""
+"""Model inputs for the model tests: `ModelInputs` for chunks of sequences, a small config, and
+the relative error outputs are compared by."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def build_inputs(
 
 
 def relative_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| over all elements, in float64."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 

@@ -1,4 +1,4 @@
-"""Helpers for the block-pool tests."""
+"""Block-pool helpers for the cache tests: a sequence admitted as the scheduler admits one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Factories and a fake device for the scheduler tests (pure Python + numpy).
+"""Factories, a fake device and the step plan's contract for the scheduler tests (pure Python +
+numpy).
 
 `FakeDevice` stands in for the model. It keeps one value per KV slot: the identity of the token
 at that position *and of everything before it*, computed the way attention would, by reading

@@ -13,11 +13,11 @@ import json
 
 import numpy as np
 import pytest
+from support.engine import BASE_SETTINGS
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.research import workloads as w
 from jaxllm.research.cache_sim import POLICY_NAMES, simulate
-from tests.engine.conftest import BASE_SETTINGS
 
 NUM_BLOCKS = 16
 
