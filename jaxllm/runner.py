@@ -51,6 +51,13 @@ logger = logging.getLogger(__name__)
 # compiles this many executables at once on threads (as JetStream's AOT warm-up does).
 COMPILE_THREADS = 8
 
+# NOTE: a free gap of this size is left below the KV cache for the small buffers of every step
+# (packed inputs, sampled tokens). Carved instead from the free memory above the cache, each
+# one a little further on, they move the step's temporaries, and XLA re-records the step's
+# CUDA graph whenever an address it holds moves: 1.5 ms of host time per qwen3-0.6b decode
+# step on an H200, where replaying takes 0.6 (docs/performance.md).
+SMALL_BUFFERS_BYTES = 2 << 20
+
 
 def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:
     """Host arrays of 4-byte dtypes as one flat int32 array."""
@@ -229,7 +236,9 @@ class ModelRunner:
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
+        gap = jax.device_put(np.zeros(SMALL_BUFFERS_BYTES // 4, np.int32), self._replicated)
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, mesh=mesh)
+        gap.delete()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}

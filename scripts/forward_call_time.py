@@ -1,13 +1,25 @@
-"""How long the forward executable's call holds the host in decode steps:
-`python scripts/forward_call_time.py NAME`.
+"""How long the forward executable's call holds the host in a decode step:
+`python scripts/forward_call_time.py [--model random:qwen3-0.6b] [--batch 256] [--context 1024]`.
 
-Runs 256 prompts of 500 random tokens, 150 output tokens each, through `random:qwen3-0.6b`
-three times (the first compiles), timing `ModelRunner._run_forward` of every decode step, the
-second time with the device idle before each call ("sync"). Prints the medians.
+Compiles the engine's decode bucket for `--batch` rows of `--context` tokens and calls it on a
+step of padding, the device idle before each call ("idle") and back to back ("queued"), with
+the params as the engine made them and as copies (one copy op per param, or one jitted copy of
+the whole tree). Then traces 20 idle calls and sums the host's profiler events by name: where
+the call's time goes. Prints the medians and the events.
+
+With `--generate`, times the forward calls of the decode steps of `generate` (by
+default 256 prompts of 500 tokens, 150 output tokens each; the first run compiles), the device
+busy and then idle before each call, and sums the host's events of one traced run per decode
+step.
 """
 
-import random
-import sys
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import itertools
+import tempfile
 import time
 
 import jax
@@ -15,33 +27,152 @@ import numpy as np
 
 from jaxllm import LLM, SamplingParams
 
-llm = LLM("random:qwen3-0.6b", compile_at_startup=False)
-runner = llm.engine.runner
-original = runner._run_forward
-times = {"async": [], "sync": []}
-mode = ["async"]
+
+def call_times(call, runs: int) -> tuple[float, float]:
+    """Median ms of `call()` with the device idle before each, then queued back to back."""
+    idle, queued = [], []
+    for _ in range(runs):
+        jax.block_until_ready(call.last)
+        start = time.perf_counter()
+        call()
+        idle.append(time.perf_counter() - start)
+    jax.block_until_ready(call.last)
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        queued.append(time.perf_counter() - start)
+    jax.block_until_ready(call.last)
+    return 1e3 * float(np.median(idle)), 1e3 * float(np.median(queued))
 
 
-def timed(bucket, arrays, previous_tokens):
-    if mode[0] == "sync":
-        jax.block_until_ready(runner.kv_cache)
-    start = time.perf_counter()
-    out = original(bucket, arrays, previous_tokens)
-    if bucket[0] == "decode":
-        times[mode[0]].append(time.perf_counter() - start)
-    return out
+def host_events(trace_dir: str, calls: int) -> list[tuple[str, float, float]]:
+    """(name, ms per call, runs per call) of the host planes' events."""
+    from jax.profiler import ProfileData
+
+    [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    total: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                total[event.name] += event.duration_ns * 1e-6
+                count[event.name] += 1
+    return sorted(
+        ((name, ms / calls, count[name] / calls) for name, ms in total.items()),
+        key=lambda row: -row[1],
+    )
 
 
-runner._run_forward = timed
-random.seed(0)
-prompts = [[random.randint(0, 10000) for _ in range(500)] for _ in range(256)]
-params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=150)
-for m in ("async", "sync", "async"):
-    mode[0] = m
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    print(m, f"{time.perf_counter() - start:.2f} s", flush=True)
-for m, t in times.items():
-    median, least = 1e3 * np.median(t), 1e3 * min(t)
-    print(f"{sys.argv[1]} forward call, {m}: median {median:.3f} ms, min {least:.3f} ms")
-print(llm.last_run_stats)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--generate", action="store_true")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=500)
+    parser.add_argument("--max-tokens", type=int, default=150)
+    args = parser.parse_args()
+    if args.generate:
+        in_generate(args.model, args.prompts, args.prompt_len, args.max_tokens)
+        return
+    llm = LLM(args.model, compile_at_startup=False, max_num_seqs=args.batch)
+    engine = llm.engine
+    runner = engine.runner
+    blocks = -(-args.context // engine.scheduler.config.block_size)
+    bucket = engine.scheduler.ladder.decode_bucket(args.batch, blocks)
+    runner.compile([bucket], use_tqdm=False)
+    inputs, _ = bucket.padding()
+    arrays = (*inputs, np.full(bucket.num_tokens, -1, np.int32))
+
+    def call():
+        call.last = runner._run_forward(bucket, arrays, runner._no_tokens)
+
+    call.last = runner.kv_cache
+    call()
+    made = runner.params
+    variants = {
+        "as made": made,
+        "copied, one op per param": jax.tree.map(lambda x: x.copy(), made),
+        "copied, one jit": jax.jit(lambda tree: jax.tree.map(lambda x: x * 1, tree))(made),
+    }
+    rows = []
+    for name, params in variants.items():
+        runner.params = params
+        call()
+        rows.append((name, *call_times(call, args.runs)))
+    runner.params = made
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(20):
+            jax.block_until_ready(call.last)
+            call()
+        jax.block_until_ready(call.last)
+    print(f"\nhost events per idle call ({bucket})")
+    for name, ms, runs in host_events(trace_dir, 20)[:30]:
+        print(f"{ms:9.3f} ms {runs:7.1f}x  {name[:90]}")
+    print(f"\n{args.model}, {bucket}: forward call, ms (median of {args.runs})")
+    print(f"{'params':32} {'idle':>8} {'queued':>8}")
+    for name, idle, queued in rows:
+        print(f"{name:32} {idle:8.3f} {queued:8.3f}")
+
+
+def in_generate(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> None:
+    llm = LLM(model, compile_at_startup=False)
+    runner = llm.engine.runner
+    original = runner._run_forward
+    times = collections.defaultdict(list)
+    mode = ["compile"]
+
+    addresses = collections.defaultdict(list)
+
+    def timed(bucket, arrays, previous_tokens):
+        if mode[0] == "idle":
+            jax.block_until_ready(runner.kv_cache)
+        start = time.perf_counter()
+        out = original(bucket, arrays, previous_tokens)
+        if bucket[0] == "decode":
+            times[mode[0]].append(time.perf_counter() - start)
+            if mode[0] == "queued":
+                addresses["logits"].append(out.unsafe_buffer_pointer())
+                addresses["previous tokens"].append(previous_tokens.unsafe_buffer_pointer())
+                addresses["kv cache"].append(
+                    jax.tree.leaves(runner.kv_cache)[0].unsafe_buffer_pointer()
+                )
+        return out
+
+    runner._run_forward = timed
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 10000, prompt_len).tolist() for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+    for m in ("compile", "queued", "traced", "idle"):
+        mode[0] = m
+        trace_dir = tempfile.mkdtemp()
+        start = time.perf_counter()
+        if m == "traced":
+            with jax.profiler.trace(trace_dir):
+                llm.generate(prompts, params, use_tqdm=False)
+        else:
+            llm.generate(prompts, params, use_tqdm=False)
+        print(f"{m}: generate {time.perf_counter() - start:.2f} s", flush=True)
+        if m == "traced":
+            steps = len(times["traced"])
+            print(f"host events per decode step ({steps} decode steps)")
+            for name, ms, runs in host_events(trace_dir, steps)[:40]:
+                print(f"{ms:9.3f} ms {runs:7.1f}x  {name[:90]}")
+    print("\ndevice addresses over the queued run's decode steps: distinct, changes, first 8")
+    for name, seq in addresses.items():
+        changes = sum(a != b for a, b in itertools.pairwise(seq))
+        first = " ".join(f"{a % 10**9:09d}" for a in seq[:8])
+        print(f"{name:16} {len(set(seq)):4d} {changes:4d}  {first}")
+    print(f"\n{model}: decode steps' forward call in generate, ms")
+    for m in ("queued", "idle"):
+        t = 1e3 * np.array(times[m])
+        print(f"{m:8} median {np.median(t):.3f}, min {t.min():.3f}, steps {len(t)}")
+
+
+if __name__ == "__main__":
+    main()
