@@ -1,20 +1,14 @@
 """The block pool: a fixed set of KV blocks with ref counts, a prefix cache and eviction.
 
-Every block is in exactly one state:
+Every block is exactly one of *used* (ref count > 0, cached or not), *cached free* (unreferenced,
+still holding a prefix-cache entry: evictable, so in the eviction policy) or *empty*
+(unreferenced, no entry). Freed blocks keep their contents and hash until evicted; new blocks
+come from the empty ones first, from eviction only when none is left.
 
-- *used*: referenced by at least one live block table (ref count > 0), cached or not;
-- *cached free*: unreferenced but still holding a prefix-cache entry (a hash); evictable, and
-  handed to the eviction policy;
-- *empty*: unreferenced and holding no entry.
-
-Freed blocks keep their contents and hash, so a later request with the same prefix reuses them
-until they are evicted; evicting a block drops its hash. New blocks come from the empty blocks
-first and from eviction only when none is left.
-
-A cached block records its token ids, a unique key, and its parent's key. A prefix hit walks the
-hash map block by block and accepts a block only if its tokens equal the request's and its parent
-is the block accepted just before, so by induction every accepted block holds the KV of exactly
-the request's prefix, hash collisions notwithstanding.
+A cached block records its token ids, a unique key and its parent's key. A prefix hit accepts a
+block only if its tokens equal the request's and its parent is the block accepted just before,
+so by induction every accepted block holds the KV of exactly the request's prefix, hash
+collisions notwithstanding.
 """
 
 from __future__ import annotations
@@ -35,6 +29,12 @@ class IntegrityError(AssertionError):
     """An invariant of the pool (or of the scheduler on top of it) is broken."""
 
 
+def require(condition: bool, message: str) -> None:
+    """Raises `IntegrityError(message)` unless `condition` holds."""
+    if not condition:
+        raise IntegrityError(message)
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """Prefix-cache counters since the pool was built, and the pool's state now.
@@ -44,9 +44,7 @@ class CacheStats:
             (a request resumed after preemption is looked up again).
         num_hit_tokens: of those, tokens whose KV came from the cache.
         num_evictions: cached blocks whose entry was dropped to make room.
-        num_used_blocks: blocks referenced by live sequences.
-        num_cached_free_blocks: unreferenced blocks still holding a prefix-cache entry.
-        num_empty_blocks: unreferenced blocks holding nothing.
+        num_used_blocks, num_cached_free_blocks, num_empty_blocks: the blocks in each state.
     """
 
     num_queried_tokens: int
@@ -64,8 +62,7 @@ class CacheStats:
 class BlockPool:
     """Owns `num_blocks` KV blocks: ref counts, the empty list, the hash map, the policy.
 
-    Block tables are plain lists of block ids owned by the caller (the scheduler); the pool's
-    methods that take one say whether they mutate it.
+    Block tables are plain lists of block ids, owned by the caller (the scheduler).
     """
 
     def __init__(
@@ -98,8 +95,6 @@ class BlockPool:
         self._num_hit_tokens = 0
         self._num_evictions = 0
 
-    # Queries.
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks a request can get now: empty ones plus evictable cached ones."""
@@ -121,12 +116,11 @@ class BlockPool:
     ) -> list[int]:
         """The longest run of cached blocks holding the KV of the first blocks of `token_ids`.
 
-        Mutates nothing (not even the statistics: see `record_query`).
+        Mutates nothing, not even the statistics (`record_query` counts).
 
         Args:
             token_ids: [N] the request's tokens.
-            block_hashes: the chained hashes of the full blocks of `token_ids` (at least
-                `max_blocks` of them).
+            block_hashes: chained hashes of at least the first `max_blocks` full blocks.
             max_blocks: look at most this many blocks deep.
 
         Returns:
@@ -153,8 +147,6 @@ class BlockPool:
         refs = self._ref_counts
         return num_new_blocks + sum(1 for block_id in cached_block_ids if refs[block_id] == 0)
 
-    # Mutations.
-
     def allocate(self, cached_block_ids: Sequence[int], num_new_blocks: int) -> list[int] | None:
         """References the hit blocks and `num_new_blocks` fresh ones; None if they do not fit.
 
@@ -172,23 +164,17 @@ class BlockPool:
         return [*cached_block_ids, *self._take_fresh(num_new_blocks)]
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
-        """Grows `block_table` (in place) to hold `num_tokens` tokens; False if it cannot.
-
-        Returns False, mutating nothing, when not enough blocks are free.
-        """
-        num_new_blocks = -(-num_tokens // self.block_size) - len(block_table)
-        if num_new_blocks <= 0:
-            return True
+        """Grows `block_table` in place to hold `num_tokens` tokens; False (no change) if full."""
+        num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(block_table))
         if num_new_blocks > self.num_free_blocks:
             return False
         block_table.extend(self._take_fresh(num_new_blocks))
         return True
 
     def free(self, block_table: Iterable[int]) -> None:
-        """Drops one reference to each block of `block_table`.
+        """Drops one reference to each block; unreferenced cached ones go to the policy.
 
-        Blocks are released last to first, so that under LRU the tail of a prefix is evicted
-        before its head. Unreferenced cached blocks go to the policy, the rest to the empty list.
+        Blocks are released last to first, so that under LRU a prefix's tail is evicted first.
         """
         refs = self._ref_counts
         for block_id in reversed(list(block_table)):
@@ -209,14 +195,12 @@ class BlockPool:
     ) -> None:
         """Enters the full, computed blocks `first` .. `last - 1` of a table into the cache.
 
-        When an identical block is already cached (two requests with one prefix computed in the
-        same step), the table switches to it and its own copy returns to the empty list: block
-        `block_table[i]` may be replaced (mutated in place). When a different block already owns
-        the hash (a collision), this block and the ones after it stay out of the cache.
+        Mutates `block_table` in place where an identical block is already cached (one prefix
+        computed twice in a step): the table switches to it and its own copy returns to the
+        empty list. After a collision (another block owns the hash) the rest stays uncached.
 
         Args:
-            block_table: the sequence's blocks; blocks `first` .. `last - 1` must be referenced
-                by this table only and hold the KV of `token_ids`.
+            block_table: the sequence's blocks; `first` .. `last - 1` referenced by it alone.
             token_ids: [N] the sequence's tokens, N >= last * block_size.
             block_hashes: chained hashes of at least `last` blocks of `token_ids`.
             first, last: the range of block indices to enter.
@@ -289,24 +273,16 @@ class BlockPool:
             taken.append(block_id)
         return taken
 
-    # Invariants.
-
     def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
         """Raises `IntegrityError` unless every invariant of the pool holds.
 
         Args:
             block_tables: the block tables of every live sequence.
 
-        Checks: ref counts equal the uses in `block_tables`; every block is exactly one of used,
-        cached free (in the policy) or empty; empty blocks hold no entry; the hash map and the
-        blocks' hashes agree both ways; block keys are unique.
+        Checks: ref counts equal the uses in `block_tables`; every block is in exactly one state
+        (see the module docstring); the hash map and the blocks' hashes agree; keys are unique.
         """
         uses = Counter(block_id for table in block_tables for block_id in table)
-
-        def require(condition: bool, message: str) -> None:
-            if not condition:
-                raise IntegrityError(message)
-
         require(
             all(0 <= block_id < self.num_blocks for block_id in uses),
             f"block id out of range in {sorted(uses)}",

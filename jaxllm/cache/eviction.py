@@ -1,17 +1,5 @@
 """Eviction policies: which cached free block the pool gives up when it needs a block.
 
-The pool keeps every block that holds a prefix-cache entry and no reference ("cached free") in
-its policy, and tells the policy four things, by block id only:
-
-- `on_cache(b)`: block b got a hash (it is in use, so not evictable yet);
-- `on_free(b)`: cached block b lost its last reference and is now evictable;
-- `on_hit(b)`: a prefix hit reused cached block b (evictable or not); if it was evictable, it no
-  longer is;
-- `on_evict(b)`: the pool evicted b (it was `victim()`); b's hash is gone, forget it.
-
-`victim()` names the evictable block to evict next without removing it. Empty (never hashed)
-free blocks are the pool's business and are always used before any victim is asked for.
-
 Every operation is O(1) (LRU, MRU) or amortised O(log n) (FIFO, LFU): pools hold 10^4-10^5
 blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method.
 """
@@ -26,10 +14,9 @@ from typing import Any, ClassVar
 
 
 class EvictionPolicy(ABC):
-    """Chooses the victim among the evictable (cached, unreferenced) blocks.
+    """Chooses the victim among the evictable (cached, unreferenced) blocks of one pool.
 
-    One instance serves one pool: every method mutates the policy's own record of which blocks
-    are evictable and whatever history it keeps.
+    Every method mutates the policy's own record of evictable blocks and their history.
     """
 
     name: ClassVar[str] = ""
@@ -167,8 +154,7 @@ class FIFOPolicy(PriorityPolicy):
 
 
 class LFUPolicy(PriorityPolicy):
-    """Least frequently used: evicts the block with the fewest prefix hits since it was cached;
-    ties go to the least recently freed."""
+    """Least frequently used: evicts the block with the fewest prefix hits since it was cached."""
 
     name = "lfu"
 

@@ -1,9 +1,7 @@
 """Chained hashes of full KV blocks, the keys of the prefix cache (pure functions).
 
 Block i's hash covers the hash of block i - 1 and the token ids of block i, so equal hashes mean
-(barring a 64-bit collision) equal prefixes. The block pool never trusts a hash alone: a hit is
-confirmed by comparing the stored token ids and the identity of the parent block
-(`BlockPool.find_cached_prefix`), so a collision costs a miss, never wrong KV.
+equal prefixes, barring a 64-bit collision (which the pool's token check turns into a miss).
 """
 
 from __future__ import annotations

@@ -9,9 +9,6 @@ Every attention function is `fn(q, k_cache, v_cache, inputs) -> out` with
 Rows of a tile attend with a bottom-right causal mask: row i of tile g sits at position
 `context_lens[g] - tile_size + i` and sees the keys at positions up to its own.
 
-`Kernels`, decided by `jaxllm.platform` and a static argument of the model, says which function
-runs prefill steps and which decode steps (tiles of one token).
-
 Legend: T tokens, G tiles, R rows per tile (tile_size), W block-table width, NB blocks,
 BS block size, P context positions (W * BS), N query heads, K kv heads, Q query heads per kv
 head (N // K), H head dim.
@@ -33,13 +30,13 @@ DECODE_KERNELS = ("reference", "flash", "pallas")
 
 @dataclass(frozen=True)
 class Kernels:
-    """The attention kernels of the model's steps (hashable: a static jit argument).
+    """The kernels of prefill and of decode steps (tiles of one token), decided by
+    `jaxllm.platform` (hashable: a static jit argument of the model).
 
     Attributes:
         prefill: "reference" (portable jax.numpy) or "flash" (FlashAttention-3, Hopper).
-        decode: "reference", "flash", or "pallas": jaxllm's Pallas (Triton) paged-decode kernel;
-            its decode steps also run the q/k norms, rotary embedding and cache write as one
-            Pallas kernel (`qkv_kernel.py`).
+        decode: "reference", "flash", or "pallas": jaxllm's Pallas (Triton) paged-decode kernel,
+            and the q/k norms, rotary embedding and cache write as one more (`qkv_kernel.py`).
         interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
     """
 

@@ -1,12 +1,12 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
 An orbax checkpoint directory holds `params/` (orbax) and `jaxllm_config.json` (the config).
-Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts on each device its own blocks
-only.
+Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts on each device only its blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxllm.model.config import PRESETS, Qwen3Config
 from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import Params, abstract_params, init_params, param_shardings
-from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
+from jaxllm.model.sharding import make_mesh
 
 CONFIG_FILE = "jaxllm_config.json"
 PARAMS_DIR = "params"
@@ -32,7 +32,7 @@ def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path / PARAMS_DIR, params)
     checkpointer.wait_until_finished()
-    (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
 
 
 def load_orbax_checkpoint(
@@ -48,15 +48,12 @@ def load_orbax_checkpoint(
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    config = Qwen3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-    if dtype:
-        config = config.replace(dtype=dtype)
-    mesh = mesh or make_mesh(1)
-    check_tensor_parallel(config, tensor_parallel_size(mesh))
+    config = Qwen3Config(**json.loads((path / CONFIG_FILE).read_text()))
+    config = config.replace(dtype=dtype or config.dtype)
     target = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         abstract_params(config),
-        param_shardings(config, mesh),
+        param_shardings(config, mesh or make_mesh(1)),
     )
     params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     return config, params
@@ -69,12 +66,10 @@ def load_params(
 
     Args:
         path_or_preset: a Hugging Face Qwen3 directory (config.json + *.safetensors), a
-            directory written by `save_params`, or `random:<preset>` with a name in `PRESETS`
-            (random weights made on the device).
+            directory written by `save_params`, or `random:<name>` with a name in `PRESETS`.
         dtype: param dtype name; default the checkpoint's or preset's.
         seed: the random preset's seed.
-        mesh: the "tp" mesh (`sharding.make_mesh`) the params are sharded over; default the
-            first device alone.
+        mesh: the "tp" mesh the params are sharded over; default the first device alone.
 
     Returns:
         The config (its dtype the params') and the param tree on the mesh's devices.

@@ -55,14 +55,6 @@ class Qwen3Config:
     def replace(self, **changes: Any) -> Qwen3Config:
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Qwen3Config:
-        """Inverse of `to_dict` (the format saved beside orbax checkpoints)."""
-        return cls(**values)
-
     @classmethod
     def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> Qwen3Config:
         """Reads a Hugging Face Qwen3 `config.json` (a file, its directory, or its parsed dict).
@@ -86,10 +78,8 @@ class Qwen3Config:
             )
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; jaxllm supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+            supported = ", ".join(SUPPORTED_MODEL_TYPES)
+            raise ValueError(f"unsupported model_type {model_type!r}; jaxllm supports {supported}")
         if hf.get("attention_bias", False):
             raise ValueError("unsupported Qwen3 config: attention_bias=true")
         if hf.get("hidden_act", "silu") != "silu":

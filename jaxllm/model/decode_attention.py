@@ -5,9 +5,9 @@ program reads a tile of `ROWS` consecutive cache rows of one block ([tokens, K, 
 contiguous) as ROWS (token, kv head) keys, scores all N query heads against them in one matmul
 and masks each head to its own kv head's columns. Long contexts are split over `num_splits`
 programs whose partial softmax results are merged afterwards.
-NOTE: all kv heads in one program, because decode is bound by the cache reads: the masked
-multiply-adds are free, while FlashAttention-3's thread block per (sequence, kv head) spends a
-fixed cost that dominates at short contexts and query-head groups of 2.
+NOTE: all kv heads in one program: decode is bound by the cache reads, so the masked multiply-adds
+are free, while a thread block per (sequence, kv head) pays a fixed cost that dominates at short
+contexts and groups of 2 query heads (FlashAttention-3; docs/performance.md).
 
 Legend: G sequences (tiles of one token), N query heads (padded to M), K kv heads, Q query
 heads per kv head, H head dim, P blocks of the pool, BS block size, W block-table width,
@@ -143,14 +143,13 @@ def paged_decode_attention(
     num_sequences, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_pool.shape
     width = block_tables.shape[1]
-    tile = tile_rows(block_size, num_kv_heads, rows)
-    if tile is None:
+    rows = tile_rows(block_size, num_kv_heads, rows)
+    if rows is None:
         raise ValueError(
             f"the decode kernel has no tile for blocks of {block_size} tokens x {num_kv_heads} "
             f"kv heads per device (a power of two >= 16 cache rows that the kv heads divide, "
             f"into a number of tokens that divides the block size)"
         )
-    rows = tile
     splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
     padded_heads = max(16, pl.next_power_of_2(num_heads))
     q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))

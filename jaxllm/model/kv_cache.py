@@ -1,13 +1,11 @@
 """The paged KV cache: one keys array and one values array, each for every layer.
 
 Each is `[L, NB, BS, K, H]`: layer, block, offset in the block, kv head, head dim. A token's flat
-slot is `block_id * BS + offset`. NOTE: two arrays, not one `[L, 2, ...]`, because paged
-attention kernels take keys and values as two `[blocks, BS, K, H]` operands:
-`keys.reshape(L * NB, BS, K, H)` is free, with layer `l`'s block `b` at `l * NB + b`, while a
-slice of a combined array would be copied at every layer.
-
-Under tensor parallelism both are sharded on K (`KV_CACHE_AXES`): each device holds the kv heads
-of its own query heads.
+slot is `block_id * BS + offset`. Under tensor parallelism both are sharded on K
+(`KV_CACHE_AXES`): each device holds the kv heads of its own query heads.
+NOTE: two arrays, not one `[L, 2, ...]`: paged attention kernels take keys and values as two
+`[blocks, BS, K, H]` operands, and `keys.reshape(L * NB, BS, K, H)` (layer `l`'s block `b` at
+`l * NB + b`) is free where a slice of a combined array would be copied at every layer.
 
 Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 """
@@ -51,15 +49,6 @@ class KVCache:
         return self.keys.reshape(shape), self.values.reshape(shape)
 
 
-def kv_cache_shape(config: Qwen3Config, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The shape `(L, NB, BS, K, H)` of the keys array (and of the values array)."""
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    return (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-
-
 def kv_cache_bytes_per_block(
     config: Qwen3Config,
     block_size: int,
@@ -88,7 +77,11 @@ def allocate_kv_cache(
 ) -> KVCache:
     """A zeroed cache (dtype: the config's) on the default device, or sharded over `mesh` on
     the kv heads, each device allocating only its own share."""
-    shape = kv_cache_shape(config, num_blocks, block_size)
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     dtype = dtype or config.jnp_dtype
     if mesh is None:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -115,15 +108,13 @@ def write_kv(
     """
     num_blocks, block_size = kv_cache.num_blocks, kv_cache.block_size
     # NOTE: JAX wraps negative indices, so padding slots move past the end (each to its own) and
-    # are dropped. Distinct slots let XLA use plain stores; a scatter that may hit a slot twice
-    # costs ~30 us per layer on an H200.
+    # are dropped: distinct slots let XLA use plain stores, not a conflict-handling scatter.
     beyond = num_blocks * block_size + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
     slots = jnp.where(slot_mapping < 0, beyond, slot_mapping)
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]
-    keys = kv_cache.keys.at[layer, block_ids, offsets].set(
-        k.astype(kv_cache.keys.dtype), mode="drop", unique_indices=True
-    )
-    values = kv_cache.values.at[layer, block_ids, offsets].set(
-        v.astype(kv_cache.values.dtype), mode="drop", unique_indices=True
-    )
-    return KVCache(keys, values)
+
+    def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
+        new = new.astype(cache.dtype)
+        return cache.at[layer, block_ids, offsets].set(new, mode="drop", unique_indices=True)
+
+    return KVCache(scatter(kv_cache.keys, k), scatter(kv_cache.values, v))

@@ -1,8 +1,7 @@
 """Qwen3's building blocks as Flax linen modules: RMSNorm, rotary embedding, attention, MLP.
 
 Every module is a pure function of its params and arguments; the paged KV cache goes in and
-comes out explicitly. Each weight is declared with its logical axes (`sharded`). With
-`tp_size > 1` a module runs inside shard_map on its device's share (see `qwen3.py`).
+comes out explicitly. Each weight is declared with its logical axes (`sharded`).
 
 Legend: T tokens, N query heads, K kv heads, H head dim, D model dim, F ffn dim, V vocab,
 L layers (N, K, F, V: this device's share under tensor parallelism).
@@ -29,12 +28,18 @@ def sharded(axes: tuple[str, ...], init: nn.initializers.Initializer = WEIGHT_IN
     return nn.with_logical_partitioning(init, axes)
 
 
-def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
-    """A row-parallel projection's float32 output [T, D], summed over the devices' shares.
+class Qwen3Module(nn.Module):
+    """Base of the layers: `config` holds global shapes, `kernels` the attention kernels; with
+    `tp_size` > 1 the module runs inside shard_map on one device's share of each weight."""
 
-    NOTE: the shares travel in the model `dtype`, half of float32's bytes; one device keeps
-    float32 for the residual stream (see DecoderLayer).
-    """
+    config: Qwen3Config
+    tp_size: int = 1
+    kernels: Kernels = PORTABLE
+
+
+def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
+    """A row-parallel projection's float32 output [T, D], summed over the devices' shares."""
+    # NOTE: the shares travel in the model dtype (half the bytes); one device keeps float32.
     return sum_over_shards(out.astype(dtype), tp_size) if tp_size > 1 else out
 
 
@@ -98,16 +103,12 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(Qwen3Module):
     """Grouped-query self-attention with per-head q/k RMSNorm over the paged cache.
 
     q/k/v are one column-parallel weight `qkv_proj` [D, K, G + 2, H] (G = N / K), so a device's
     kv heads carry their query heads and one matmul computes all three. o_proj is row-parallel.
     """
-
-    config: Qwen3Config
-    tp_size: int = 1
-    kernels: Kernels = PORTABLE
 
     @nn.compact
     def __call__(
@@ -155,12 +156,9 @@ class Attention(nn.Module):
         return add_shards(out, dtype, self.tp_size), kv_cache
 
 
-class MLP(nn.Module):
+class MLP(Qwen3Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`; gate and up one column-parallel weight
     `gate_up_proj` [D, 2, F] (one matmul), down row-parallel."""
-
-    config: Qwen3Config
-    tp_size: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -176,19 +174,14 @@ class MLP(nn.Module):
         return add_shards(out, dtype, self.tp_size)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Qwen3Module):
     """One pre-norm transformer block; writes its K/V into the whole cache at `layer`, so XLA
     updates the donated buffer in place.
 
-    NOTE: x, the residual stream, is float32 whatever the model dtype (weights, GEMM inputs, KV
-    cache), and o_proj and down_proj add their float32 accumulators to it. A bfloat16 stream
-    would round every add: the logits of qwen3-0.6b (random weights) end 1.25e-2 (relative)
-    from float32's, not 0.69e-2 (`scripts/bf16_noise.py`).
+    NOTE: x, the residual stream, is float32 whatever the model dtype, and o_proj and down_proj
+    add their float32 accumulators to it: a bfloat16 stream would round every add (figures in
+    docs/performance.md).
     """
-
-    config: Qwen3Config
-    tp_size: int = 1
-    kernels: Kernels = PORTABLE
 
     @nn.compact
     def __call__(

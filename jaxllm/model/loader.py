@@ -6,9 +6,9 @@ any data is read; one `CheckpointError` names every missing, unmapped, duplicate
 tensor.
 
 Each param is built device by device: that device's block is read through
-`safe_open(...).get_slice` (memory-mapped: only its rows or columns), converted into one host
-buffer and sent to the device before the next block is read. Host memory so holds one block of
-one param at a time; with several processes (`jax.distributed`) each reads only its own devices'.
+`safe_open(...).get_slice` (memory-mapped: only its rows or columns) into one host buffer and
+sent to the device before the next block is read, so host memory holds one block at a time.
+With several processes (`jax.distributed`) each reads only its own devices' blocks.
 
 Legend: D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim, V vocab.
 """
@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.qwen3 import Params, abstract_params, param_shardings
-from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
+from jaxllm.model.sharding import make_mesh
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -210,17 +210,13 @@ def load_hf_checkpoint(
 
     Raises:
         CheckpointError: naming every missing, unmapped, duplicated or mis-shaped tensor.
-        ValueError: the config.json describes an unsupported model, or one whose heads do not
-            split over the mesh.
+        ValueError: the config.json describes an unsupported model, or one the mesh can't split.
     """
     path = Path(path)
     config = Qwen3Config.from_hf(path)
-    if dtype:
-        config = config.replace(dtype=dtype)
-    mesh = mesh or make_mesh(1)
-    check_tensor_parallel(config, tensor_parallel_size(mesh))
+    config = config.replace(dtype=dtype or config.dtype)
     shapes = abstract_params(config)
-    shardings = param_shardings(config, mesh)
+    shardings = param_shardings(config, mesh or make_mesh(1))
     expected = _expected_tensors(config, shapes)
     target_dtype = np.dtype(config.jnp_dtype)
 
@@ -279,14 +275,11 @@ def _read_into(
 ) -> None:
     """Reads the block `index` of the param of global `shape` that `tensor` fills (all of it, or
     its part of a fused param) into `host`, from the checkpoint's slices only."""
-    part, layout = tensor.part, tensor.layout
-    if part is None:
-        host[...] = layout.convert(hf_slice[layout.hf_index(shape, index)], host.shape)
-        return
-    part_shape, part_index = part.shape(shape), part.index(index, shape)
-    block_shape = _block_shape(part_shape, part_index)
-    block = layout.convert(hf_slice[layout.hf_index(part_shape, part_index)], block_shape)
-    target = [slice(None)] * host.ndim
-    target[part.axis] = slice(part.start, part.start + part.size)
-    target_view = host[tuple(target)]
-    target_view[...] = block.reshape(target_view.shape)
+    part, layout, target = tensor.part, tensor.layout, host
+    if part is not None:
+        in_part = [slice(None)] * host.ndim
+        in_part[part.axis] = slice(part.start, part.start + part.size)
+        target = host[tuple(in_part)]
+        shape, index = part.shape(shape), part.index(index, shape)  # the unfused param's
+    block = layout.convert(hf_slice[layout.hf_index(shape, index)], _block_shape(shape, index))
+    target[...] = block.reshape(target.shape)

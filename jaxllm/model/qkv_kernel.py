@@ -4,8 +4,8 @@ One program per token reads its row of the fused projection [K, G + 2, H] once, 
 normalised, rotated queries, and writes its key and value into the cache in place (aliased to
 the output), all in float32 rounded once. Used by the "pallas" backend's decode steps
 (`layers.Attention`); off a GPU it runs interpreted (tests).
-NOTE: XLA:GPU runs these as six small kernels per layer (two slices, two norms, two scatters;
-about 14 us of a decode layer on an H200, more than the q/k/v GEMM).
+NOTE: XLA:GPU runs these as six small kernels per layer, longer than the q/k/v GEMM
+(docs/performance.md).
 
 Legend: T tokens, K kv heads, G query heads per kv head, H head dim, L layers, NB blocks,
 BS block size.
@@ -94,12 +94,10 @@ def norm_rope_write(
 
     Args:
         qkv: [T, K, G + 2, H] the fused projection: each kv head's G queries, key and value.
-        q_scale, k_scale: [H] the q_norm and k_norm scales.
+        q_scale, k_scale: [H] the q_norm and k_norm scales; eps: their RMSNorm epsilon.
         cos, sin: [T, H] float32 rotary tables (`layers.rotary_cos_sin`).
-        kv_cache: the cache, updated in place (donated).
-        layer: the layer whose slots are written.
-        slot_mapping: [T] flat slots; negative ones (padding) write nothing.
-        eps: the RMSNorm epsilon.
+        kv_cache, layer, slot_mapping: the cache (donated, updated in place), the layer and
+            [T] flat slots written (negative ones, padding, write nothing).
         interpret: run in Pallas' interpreter (off a GPU).
 
     Returns:

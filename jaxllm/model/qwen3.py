@@ -8,15 +8,12 @@ the sampled rows only. Jit it with the cache donated (updated in place) and with
 Each layer has a param tree of its own ("layers_{i}"); the model loops over them in Python,
 calling one jitted layer function with a traced layer index, so JAX lowers one layer per step
 shape and XLA inlines the L calls. NOTE: not a scan over stacked weights, whose slices XLA:GPU
-copies before every matmul (7 ms of a 25.9 ms qwen3-8b decode step on an H200).
+copies before every matmul (docs/performance.md).
 
 Tensor parallelism: `sharded_forward` runs `forward` under `shard_map` over the mesh's "tp"
-axis. The module gets `tp_size` beside the global config and declares one device's blocks (N / tp
-heads, K / tp kv heads, F / tp ffn columns, V / tp vocab rows). The vocab-parallel embedding and
-each layer's o_proj and down_proj add the devices' partial results (`psum`); the LM head's logits
-are gathered, so every device returns the full [S, V] logits. At tp_size 1 no collective is
-emitted. Which axes are sharded is declared once: each weight's logical axes (below, in
-parentheses) and `sharding.LOGICAL_AXIS_RULES`.
+axis, each device on its blocks of the weights (their logical axes below; `sharding.py`). The
+vocab-parallel embedding and each layer's o_proj and down_proj add the devices' partial results
+(`psum`); the logits are gathered, so every device returns all of [S, V].
 
 Param tree, global shapes and logical axes (G = N / K):
     embed [V, D] (vocab, embed)
@@ -63,11 +60,10 @@ from jaxllm.model.sharding import (
 
 Params = dict[str, Any]
 
-# NOTE: no rematerialization: it can only recompute the step's activations, never the donated
-# cache, but with the layers unrolled it counts the cache twice and recomputes matmuls on every
-# step. The engine sizes the cache from the step's scratch (`runner.step_scratch_bytes`).
+# NOTE: no rematerialization: with the layers unrolled it counts the donated cache twice and
+# recomputes matmuls; the engine sizes the cache from the step's scratch (`step_scratch_bytes`).
 # NOTE: no split-K GEMMs: at decode's few rows XLA:GPU splits o_proj and down_proj 8 ways plus an
-# adding kernel (4.4 us per projection on an H200, as long as the GEMM). Other backends ignore it.
+# adding kernel. Other backends ignore it. Figures for both: docs/performance.md.
 COMPILER_OPTIONS = {
     "xla_disable_hlo_passes": "rematerialization",
     "xla_gpu_experimental_force_split_k": 1,
@@ -75,12 +71,8 @@ COMPILER_OPTIONS = {
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 decoder-only LM over a paged KV cache.
-
-    `config` holds global shapes; with `tp_size` > 1 the module runs inside shard_map on one
-    device's blocks (see the module docstring). `init` makes all params but the layers', which
-    `init_params` makes.
-    """
+    """Qwen3 decoder-only LM over a paged KV cache; `init` makes all params but the layers',
+    which `init_params` makes."""
 
     config: Qwen3Config
     tp_size: int = 1
@@ -128,10 +120,9 @@ def forward(
 
     Args:
         params: the param tree (see the module docstring); one device's blocks if tp_size > 1.
-        config: the model config (static under jit).
+        config, kernels: the model config and the attention kernels (static under jit).
         kv_cache: the paged cache (see kv_cache.py); donate it under jit.
         inputs: the step's token ids, positions and cache addressing.
-        kernels: the attention kernels (static under jit).
         tp_size: 1, or the "tp" axis size when called inside shard_map (`sharded_forward`).
 
     Returns:
@@ -184,44 +175,30 @@ def _boxed_layer(config: Qwen3Config, key: jax.Array) -> Params:
     return layer.init(key, x, cache, 0, cos, sin, _dummy_inputs())["params"]
 
 
-def _per_layer(config: Qwen3Config, fn: Callable[[Callable], Params]) -> Params:
-    """`fn(_boxed_outer)` with `fn(_boxed_layer)` under "layers_{i}" for every layer: the tree
-    of everything but the layers, and one layer's, computed once each."""
-    layer = fn(_boxed_layer)
-    return fn(_boxed_outer) | {f"layers_{i}": layer for i in range(config.num_layers)}
+def _boxed_shapes(config: Qwen3Config) -> Params:
+    """The param tree as shapes wrapped with their logical axes; one layer's computed once."""
+    key = jax.random.key(0)
+    outer = jax.eval_shape(functools.partial(_boxed_outer, config), key)
+    layer = jax.eval_shape(functools.partial(_boxed_layer, config), key)
+    return outer | {f"layers_{i}": layer for i in range(config.num_layers)}
 
 
 def param_specs(config: Qwen3Config) -> Params:
     """The param tree of mesh `PartitionSpec`s, from each weight's logical axes."""
-
-    def specs(boxed_init):
-        boxed = jax.eval_shape(functools.partial(boxed_init, config), jax.random.key(0))
-        return jax.tree.map(
-            lambda spec: logical_to_spec(tuple(spec)),
-            nn.get_partition_spec(boxed),
-            is_leaf=lambda leaf: isinstance(leaf, PartitionSpec),
-        )
-
-    return _per_layer(config, specs)
+    logical = nn.get_partition_spec(_boxed_shapes(config))
+    return jax.tree.map(lambda spec: logical_to_spec(tuple(spec)), logical)
 
 
 def param_shardings(config: Qwen3Config, mesh: Mesh) -> Params:
-    """The param tree of `NamedSharding`s over `mesh`."""
-    return jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec),
-        param_specs(config),
-        is_leaf=lambda leaf: isinstance(leaf, PartitionSpec),
-    )
+    """The param tree of `NamedSharding`s over `mesh`; a ValueError if the mesh's size does not
+    divide the heads, kv heads, ffn or vocab."""
+    check_tensor_parallel(config, tensor_parallel_size(mesh))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(config))
 
 
 def abstract_params(config: Qwen3Config) -> Params:
     """The param tree as `jax.ShapeDtypeStruct`s (global shapes); allocates nothing."""
-
-    def shapes(boxed_init):
-        unboxed = lambda key: nn.meta.unbox(boxed_init(config, key))
-        return jax.eval_shape(unboxed, jax.random.key(0))
-
-    return _per_layer(config, shapes)
+    return nn.meta.unbox(_boxed_shapes(config))
 
 
 def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:
@@ -232,10 +209,7 @@ def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) ->
     (jax's partitionable threefry); without one the params are on the default device.
     """
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
-    shardings = {}
-    if mesh is not None:
-        check_tensor_parallel(config, tensor_parallel_size(mesh))
-        shardings = param_shardings(config, mesh)
+    shardings = {} if mesh is None else param_shardings(config, mesh)
 
     def made_by(boxed_init, out_shardings):
         unboxed = lambda key: nn.meta.unbox(boxed_init(config, key))

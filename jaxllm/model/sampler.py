@@ -9,9 +9,8 @@ The draw is Gumbel-max over the vocabulary with noise keyed by the row's (seed, 
 seeded request's tokens do not depend on the rest of the batch, its row or the batch size.
 
 The host picks one of `SAMPLER_MODES` per step (`sampler_mode`), each compiled separately.
-NOTE: chosen on the host, not by `lax.cond` on device values: outside CUDA graphs XLA:GPU copies
-a conditional's predicate to the host and waits, which holds the dispatching thread until the
-queued model step is done.
+NOTE: not a `lax.cond` on device values: outside CUDA graphs XLA:GPU reads a conditional's
+predicate on the host, which holds the dispatching thread until the queued model step is done.
 
 Legend: S sampled rows, V vocab, B candidate blocks, W candidates (B times the block size).
 """
@@ -27,10 +26,8 @@ from jaxllm.model.inputs import SamplingInputs
 # Rows whose temperature is below this are greedy (vLLM's epsilon).
 GREEDY_TEMPERATURE = 1e-5
 # Top-k/top-p first look among candidates: the logits of the `NUM_CANDIDATE_BLOCKS` blocks (of
-# `CANDIDATE_BLOCK_SIZE` tokens) with the largest maxima. Exact for top_k <= 256 and for any kept
-# set that ends above the smallest block maximum (the usual top_p on trained models); other rows
-# sort their whole row. NOTE: on an H200 (S=512, V=151,936) top_k=20, top_p=0.95 takes 2.1 ms
-# per step, against 3.9 ms with `lax.top_k` and 7.8 ms with a full sort.
+# `CANDIDATE_BLOCK_SIZE` tokens) with the largest maxima (see `_top_k_top_p_threshold`).
+# NOTE: faster than `lax.top_k` or a full sort (docs/performance.md).
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
@@ -45,10 +42,10 @@ def sampler_mode(
 ) -> str:
     """The cheapest variant of `sample` that is exact for a batch's rows (host-side numpy).
 
-    "greedy": every row is greedy (an argmax). "random": no random row filters (one pass over
-    the logits). "top-k": every random row that filters by top-k or top-p has 1 <= top_k <=
-    `NUM_CANDIDATE_BLOCKS` (e.g. Qwen3's recommended top_k=20, top_p=0.95), or rows filter by
-    min-p alone; no full sort. "filtered": the general case, which may sort whole rows.
+    "greedy": every row is greedy. "random": no random row filters (one pass over the logits).
+    "top-k": every random row that filters by top-k or top-p has 1 <= top_k <=
+    `NUM_CANDIDATE_BLOCKS`, or rows filter by min-p alone; no full sort. "filtered": the
+    general case, which may sort whole rows.
     """
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
@@ -130,9 +127,8 @@ def _mix32(x: jax.Array) -> jax.Array:
 def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
     """[S, V] Gumbel noise; row s is a function of (seeds[s], steps[s]) only.
 
-    NOTE: a counter-based hash of the token index keyed by the row's seed and step, not
-    `jax.random` per row: one fused elementwise pass, where vmapped threefry keys cost a
-    millisecond per step at S=512.
+    NOTE: a hash of the token index keyed by the row's seed and step is one fused elementwise
+    pass, where `jax.random` with vmapped threefry keys costs a millisecond per step at S=512.
     """
     golden = jnp.uint32(0x9E37_79B9)
     row_key = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) * golden + 1))
@@ -148,11 +144,10 @@ def _top_k_top_p_threshold(
     """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing);
     `scaled` and `ratio` are [S, V], the other arrays [S].
 
-    Each row's threshold comes from its candidates when that is exact: always for 1 <= top_k <=
+    A row's threshold comes from its candidates when that is exact: always for 1 <= top_k <=
     `num_blocks` (the k largest logits lie in the k blocks with the largest maxima), else when
     the kept set ends strictly above the candidates' bound. Other rows sort their whole row,
-    under a `lax.cond` (see the module docstring) that `fallback=False` leaves out ("top-k").
-    The choice is per row, so a row's result does not depend on the other rows.
+    under a `lax.cond` that `fallback=False` ("top-k") leaves out. The choice is per row.
     """
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
     candidates, bound = _candidates(scaled, block_size, num_blocks)

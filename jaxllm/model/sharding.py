@@ -2,15 +2,9 @@
 
 Every weight names its axes where the model declares it (`layers.sharded`), and so does the KV
 cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` maps those names to `tp` or to None
-(replicated); it alone decides what is sharded:
-
-    heads, kv_heads   qkv_proj column-parallel, o_proj row-parallel, the KV cache on K
-    ffn               gate_up_proj column-parallel, down_proj row-parallel
-    vocab             the embedding and the LM head vocab-parallel
-
-The step runs under `shard_map` over a one-axis mesh (see `qwen3.py`). The engine makes the
-mesh once (`make_mesh`) and passes it beside the frozen config. Across hosts it spans every
-process's devices once `jax.distributed.initialize` has run (docs/multihost.md).
+(replicated); it alone decides what is sharded. The step runs under `shard_map` over a one-axis
+mesh (see `qwen3.py`), made once (`make_mesh`) and passed beside the frozen config; across
+hosts it spans every process's devices (docs/multihost.md).
 
 Legend: L layers, D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim,
 V vocab, NB blocks, BS block size.
@@ -60,10 +54,8 @@ def tensor_parallel_size(mesh: Mesh) -> int:
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices.
-
-    With several processes (`jax.distributed.initialize`) the mesh spans hosts, and every
-    process must own some of its devices.
+    """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices; with several
+    processes (`jax.distributed.initialize`) every process must own some of them.
 
     Raises:
         ValueError: fewer devices than `tensor_parallel_size`, or a process left out.
@@ -95,10 +87,9 @@ def check_tensor_parallel(config: Qwen3Config, tensor_parallel_size: int) -> Non
             f"num_kv_heads ({config.num_kv_heads})"
         )
     for name in ("intermediate_size", "vocab_size"):
-        if getattr(config, name) % tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} must divide {name} ({getattr(config, name)})"
-            )
+        size = getattr(config, name)
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name} ({size})")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -145,7 +136,7 @@ def partitioner_for(mesh: Mesh, custom_calls: bool) -> contextlib.AbstractContex
     call kernels outside XLA, else JAX's default.
 
     NOTE: XLA's Shardy pass segfaults compiling the TP=2 step with FlashAttention-3's custom
-    call (jax 0.11.2, two H200s; `scripts/tp_flash_check.py`).
+    call (docs/performance.md; `scripts/tp_flash_check.py`).
     """
     if tensor_parallel_size(mesh) > 1 and custom_calls:
         return gspmd_partitioner()

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.cache.eviction import EvictionPolicy
+from jaxllm.cache.eviction import POLICIES, EvictionPolicy
 from jaxllm.research.workloads import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
 
 SYNTHETIC_TOKEN = 0
-POLICY_NAMES = ("lru", "fifo", "lfu", "mru")
+POLICY_NAMES = tuple(POLICIES)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class SimResult:
         simulated_seconds: the simulated clock at the end (steps times `step_time`, plus idle
             time waiting for arrivals); 0 without a step time.
         wall_seconds: how long the simulation took on this machine.
+        hit_rate: hit tokens over queried tokens (the pool's own `CacheStats.hit_rate`).
     """
 
     policy: str
@@ -77,11 +78,7 @@ class SimResult:
     mean_ttft_steps: float
     simulated_seconds: float
     wall_seconds: float
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over queried tokens (`CacheStats.hit_rate`)."""
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+    hit_rate: float
 
     @property
     def prompt_hit_rate(self) -> float:
@@ -90,15 +87,8 @@ class SimResult:
             self.num_prompt_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
         )
 
-    @property
-    def prefill_tokens_saved(self) -> int:
-        return self.num_hit_tokens
-
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {
-            "hit_rate": self.hit_rate,
-            "prompt_hit_rate": self.prompt_hit_rate,
-        }
+        return dataclasses.asdict(self) | {"prompt_hit_rate": self.prompt_hit_rate}
 
 
 def blocks_for_all(requests: Iterable[Request], block_size: int) -> int:
@@ -246,6 +236,7 @@ def simulate(
         mean_ttft_steps=ttft_steps_total / len(requests) if requests else 0.0,
         simulated_seconds=clock,
         wall_seconds=time.perf_counter() - start_wall,
+        hit_rate=stats.hit_rate,
     )
 
 

@@ -1,10 +1,8 @@
 """A step's plan: what the scheduler decided, and the padded arrays the device reads.
 
-`Scheduler.schedule()` returns one `StepPlan` per step: the sequences in row order, where each
-one's new tokens start and how many there are, whether each samples its next token, the bucket
-(the padded shape, from a fixed `BucketLadder`, so every shape the device will see is known
-before the first step) and the step's inputs in the format of `jaxllm.model.inputs`, padded
-from `ModelInputs.padding`. `plan_step` is the only place these arrays are built.
+Every padded shape (bucket) comes from a fixed `BucketLadder`, so all the shapes the device will
+see are known before the first step. `plan_step` is the only place the step's arrays (in the
+format of `jaxllm.model.inputs`) are built.
 
 Legend: T tokens, G tiles, S sampled rows, W block-table width (blocks). Decode steps have
 G == T == S (tiles of one token); prefill steps have G = T // prefill_tile and S = G.
@@ -79,9 +77,8 @@ class BucketLadder:
     def from_config(cls, config: SchedulerConfig, *, one_width: bool = False) -> BucketLadder:
         """The ladder of `config`'s limits; `one_width` pads every block table to the widest.
 
-        One width suits attention kernels whose cost follows the context lengths, not the
-        table width (FlashAttention's paged kernel): it divides the shapes to compile by the
-        number of widths.
+        One width suits kernels whose cost follows the context lengths, not the table width
+        (FlashAttention's paged kernel), and divides the shapes to compile by the widths.
         """
         widest = config.max_blocks_per_seq
         return cls(
@@ -183,8 +180,7 @@ def plan_step(
         for seq, end in zip(seqs, ends.tolist(), strict=True)
     ]
     steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
-    params = [seq.params for seq in seqs]
-    sampling = SamplingInputs.from_params(params, steps, bucket.num_sampled)
+    sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
     return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling)
 
 

@@ -1,14 +1,13 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recomputation.
 
-A step is either all prefill or all decode. `schedule()` first gives the step's token budget to
-prefill chunks (an unfinished prefill first, then waiting requests in arrival order); only when
-no prefill fits does it run one decode step for every running sequence, preempting the newest
-ones when the cache has no block left for the oldest. See docs/structure.md, "Host side".
+A step is all prefill (an unfinished prefill first, then waiting requests in arrival order) or,
+when no prefill fits, one decode token for every running sequence, preempting the newest ones
+when the cache has no block left for the oldest. See docs/structure.md, "Host side".
 
 A step is three calls: `plan = schedule()`, the device runs the plan, `update(plan, token_ids)`
-applies its sampled tokens. The engine plans step N + 1 before it updates step N (the device
-runs N meanwhile): `schedule` records what a plan computes, so a sequence whose next token is
-still on the device is planned as computing it, and `update` only adds what the tokens bring.
+applies its sampled tokens. The engine plans step N + 1 before it updates step N, so `schedule`
+records what a plan computes (also a token still on the device) and `update` only adds what the
+tokens bring.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from jaxllm.cache.block_pool import BlockPool, CacheStats, IntegrityError
+from jaxllm.cache.block_pool import BlockPool, CacheStats, require
 from jaxllm.cache.eviction import EvictionPolicy
 from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
@@ -65,8 +64,6 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._eos = frozenset(config.eos_token_ids)
 
-    # Requests in and out.
-
     def new_sequence(
         self,
         prompt_token_ids: SequenceOf[int] | np.ndarray,
@@ -108,9 +105,8 @@ class Scheduler:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self._eos
-        seq_id = next(self._seq_ids)
         return Sequence(
-            seq_id, prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
+            next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
             stop_strings=stop_strings,
         )  # fmt: skip
 
@@ -126,8 +122,6 @@ class Scheduler:
             self._finish(seq, "abort")
         return seq
 
-    # Queries.
-
     @property
     def num_unfinished(self) -> int:
         return len(self._live)
@@ -138,17 +132,14 @@ class Scheduler:
     def stats(self) -> CacheStats:
         return self.block_pool.stats()
 
-    # The step.
-
     def schedule(self) -> StepPlan | None:
         """Plans the next step; None when nothing is left to run.
 
-        Mutates: admits waiting sequences (allocating their blocks, prefix hits included),
-        allocates decode slots, preempts running sequences when blocks run out, and records
-        what the plan computes: each sequence's computed tokens, and the newly full blocks whose
-        tokens are known, entered into the prefix cache (their K/V is written by this step,
-        before any later step can read it). A sequence whose last token (max_tokens) the plan
-        samples leaves the running list and gives its blocks back.
+        Mutates: admits waiting sequences (allocating blocks, prefix hits included), allocates
+        decode slots, preempts when blocks run out, and records what the plan computes: computed
+        tokens, and newly full blocks with known tokens entered into the prefix cache (this
+        step writes their K/V before any later step reads it). A sequence whose last token the
+        plan samples leaves the running list and gives its blocks back.
         """
         chunks = self._schedule_prefill() or self._schedule_decode()
         if chunks is None:
@@ -175,11 +166,10 @@ class Scheduler:
             sampled_token_ids: [S >= plan.num_seqs] the step's sampled tokens in row order;
                 rows past num_seqs (padding) and rows that do not sample are ignored.
 
-        Mutates: appends each sampled token to its sequence (also one preempted since, which
-        prefills it on resumption), enters the block it completes into the prefix cache when a
-        later planned step computes it, and finishes the sequences that stop: a stop token (eos
-        unless ignored, or a stop_token_id) or a stop string once min_tokens are out ("stop"),
-        or max_tokens reached ("length"). Sequences finished since the plan are skipped.
+        Mutates: appends each sampled token to its sequence (also to one preempted since),
+        caches the block it completes if a later planned step computes it, and finishes the
+        sequences that stop: a stop token or string once min_tokens are out ("stop"), or
+        max_tokens reached ("length"). Sequences finished since the plan are skipped.
         """
         tokens = np.asarray(sampled_token_ids)[: plan.num_seqs].tolist()
         finished: list[Sequence] = []
@@ -198,12 +188,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `seq` ends with its newest token `token`, if it does."""
-        can_stop = seq.num_output_tokens >= seq.params.min_tokens
-        stopped = token in seq.stop_token_ids and can_stop
         # NOTE: the stop strings see every token, so their text stays whole.
-        if seq.stop_strings is not None and seq.stop_strings(token):
-            stopped = True
-        if stopped:
+        stop_string = seq.stop_strings is not None and seq.stop_strings(token)
+        stop_token = token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens
+        if stop_string or stop_token:
             return "stop"
         return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
@@ -279,27 +267,23 @@ class Scheduler:
     def _schedule_decode(self) -> tuple | None:
         """("decode", seqs, starts, ones): one token for every running sequence that has a
         token left to sample, preempting the newest when blocks run out; or None."""
-        pool = self.block_pool
         running = self.running
-        scheduled: list[Sequence] = []
         index = 0
         while index < len(running):
             seq = running[index]
-            if pool.append_slots(seq.block_table, seq.num_computed_tokens + 1):
-                scheduled.append(seq)
+            if self.block_pool.append_slots(seq.block_table, seq.num_computed_tokens + 1):
                 index += 1
             else:
                 self._preempt(running.pop())
-        if not scheduled:
+        if not running:
             return None
-        starts = [seq.num_computed_tokens for seq in scheduled]
-        return "decode", scheduled, starts, [1] * len(scheduled)
+        seqs = list(running)
+        return "decode", seqs, [seq.num_computed_tokens for seq in seqs], [1] * len(seqs)
 
     def _preempt(self, seq: Sequence) -> None:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks.
 
-        It keeps its tokens (generated ones included) and its block hashes; when admitted again
-        it prefills everything, typically from the prefix cache.
+        It keeps its tokens and block hashes, and prefills again (mostly from the prefix cache).
         """
         self.block_pool.free(seq.block_table)
         seq.block_table = []
@@ -332,15 +316,8 @@ class Scheduler:
         seq.finish_reason = reason
         del self._live[seq.seq_id]
 
-    # Invariants.
-
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""
-
-        def require(condition: bool, message: str) -> None:
-            if not condition:
-                raise IntegrityError(message)
-
         cfg = self.config
         pool = self.block_pool
         pool.check_integrity(seq.block_table for seq in self.running)

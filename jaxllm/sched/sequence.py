@@ -32,9 +32,7 @@ class Sequence:
 
     Attributes:
         seq_id: unique within its scheduler (handed out by the scheduler's counter).
-        params: the request's sampling parameters.
         max_tokens: the effective output budget, min(params.max_tokens, max_model_len - prompt).
-        status: waiting, running, sampling its last token, or finished.
         num_tokens: prompt and generated tokens the host has.
         num_computed_tokens: tokens whose K/V is in the cache, or is computed by a step already
             planned (prefix hits included). While a planned step samples the next token, it
@@ -43,12 +41,8 @@ class Sequence:
             before that.
         block_table: the ids of the KV blocks holding the sequence, in order.
         block_hashes: chained hashes of the sequence's full blocks computed so far.
-        output_token_ids: the generated tokens.
-        finish_reason: why it finished ("stop", "length" or "abort"); None while it runs.
         stop_token_ids: tokens that end it once min_tokens were generated (eos unless
             ignore_eos, plus params.stop_token_ids).
-        stop_strings: its stop-string check, if it has stop strings.
-        num_preemptions: how many times it was preempted.
     """
 
     __slots__ = (
