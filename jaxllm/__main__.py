@@ -23,27 +23,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
-    if args.dtype is not None:
-        kwargs["dtype"] = args.dtype
-    if args.max_model_len is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    if args.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    for name in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     return kwargs
-
-
-def _sampling(args: argparse.Namespace):
-    from jaxllm import SamplingParams
-
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,14 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from jaxllm.llm import LLM
+    from jaxllm.sampling_params import SamplingParams
 
     llm = LLM(args.model, **_engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompts or ["The capital of France is"]
     if args.command == "generate":
-        outputs = llm.generate(prompts, _sampling(args))
+        outputs = llm.generate(prompts, params)
     else:
         conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-        outputs = llm.chat(conversations, _sampling(args), enable_thinking=args.enable_thinking)
+        outputs = llm.chat(conversations, params, enable_thinking=args.enable_thinking)
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")

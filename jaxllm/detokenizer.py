@@ -13,14 +13,10 @@ from jaxllm.sampling_params import SamplingParams
 def decode_tokens(
     tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int], skip_special_tokens: bool = True
 ) -> str:
-    """Decodes token ids to text, never raising on ids the tokenizer does not know.
-
-    A model's vocab (151,936 for Qwen3) is padded beyond the tokenizer's (151,669); such ids, and
-    negative ones, decode to nothing.
-    """
-    return tokenizer.decode(
-        _known_ids(tokenizer, token_ids), skip_special_tokens=skip_special_tokens
-    )
+    """Decodes token ids to text. A model's vocab (151,936 for Qwen3) is padded beyond the
+    tokenizer's (151,669): such ids, and negative ones, decode to nothing."""
+    known_ids = _known_ids(tokenizer, token_ids)
+    return tokenizer.decode(known_ids, skip_special_tokens=skip_special_tokens)
 
 
 def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
@@ -60,24 +56,20 @@ class IncrementalDetokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         self._window.extend(_known_ids(self._tokenizer, token_ids))
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Returns the text still held back; call it once the stream ended. An incomplete
+        trailing character decodes to U+FFFD, as in the full decode."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
         prefix_text = self._decode(self._window[: self._read_offset])
         new_text = self._decode(self._window)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
             return ""
         delta = new_text[len(prefix_text) :]
         self._window = self._window[self._read_offset :]
-        self._read_offset = len(self._window)
-        self.text += delta
-        return delta
-
-    def finish(self) -> str:
-        """Returns the text still held back; call it once the stream ended.
-
-        An incomplete trailing character decodes to U+FFFD, as in the full decode.
-        """
-        prefix_text = self._decode(self._window[: self._read_offset])
-        new_text = self._decode(self._window)
-        delta = new_text[len(prefix_text) :]
         self._read_offset = len(self._window)
         self.text += delta
         return delta
@@ -90,10 +82,9 @@ class StopStrings:
     """Detokenizes one request's output as it grows and finds its stop strings in the text.
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
-    answers True once a stop string shows in the text, and only once `min_tokens` tokens exist.
-    `text` is then the output up to the stop string. No prompt context: the text must equal the
-    output tokens decoded alone (what an output without stop strings holds), also when the
-    prompt ends inside a multi-byte character.
+    answers True once a stop string shows in the text and `min_tokens` tokens exist; `text` is
+    then the output up to it. No prompt context: the text must equal the output tokens decoded
+    alone (as without stop strings), also when the prompt ends inside a multi-byte character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end`.
     """

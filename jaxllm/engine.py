@@ -1,9 +1,8 @@
 """The engine: requests in, one step at a time, outputs out.
 
-A step reads top to bottom: the scheduler plans it (`Scheduler.schedule`), the runner executes
-the plan (`ModelRunner.execute`), the scheduler applies the sampled tokens
-(`Scheduler.update`). The host runs one step ahead of the device: it plans and dispatches step N
-before it applies step N - 1's tokens, which the device has meanwhile sampled.
+A step reads top to bottom: `Scheduler.schedule` plans it, `ModelRunner.execute` runs the plan,
+`Scheduler.update` applies the sampled tokens. The host runs one step ahead of the device: it
+dispatches step N before it applies step N - 1's tokens, which the device has meanwhile sampled.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import jax
 import numpy as np
 
 from jaxllm.detokenizer import StopStrings, decode_tokens
-from jaxllm.model.attention import Kernels
-from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -41,10 +38,9 @@ class Request:
 class StepStats:
     """Tokens and seconds of one kind of step, accumulated.
 
-    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into handing the
-    step to the device (`ModelRunner.execute`) and `wait_seconds` into reading the previous
-    step's tokens (waiting for the device, booked under this step's kind, so the first decode
-    step after a prefill waits for that prefill); the rest is host work.
+    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into
+    `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
+    under this step's kind: the first decode step after a prefill waits for that prefill).
     """
 
     tokens: int = 0
@@ -109,16 +105,6 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._in_flight: tuple[StepPlan, jax.Array] | None = None
 
-    @property
-    def model_config(self) -> Qwen3Config:
-        return self.runner.config
-
-    @property
-    def kernels(self) -> Kernels:
-        return self.runner.kernels
-
-    # Requests.
-
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> Request:
@@ -128,7 +114,7 @@ class Engine:
             ValueError: a token id outside the vocabulary, or a request the scheduler refuses
                 (`Scheduler.new_sequence`).
         """
-        vocab = self.model_config.vocab_size
+        vocab = self.runner.config.vocab_size
         ids = np.asarray(prompt_token_ids)
         bad = ids[(ids < 0) | (ids >= vocab)] if ids.ndim == 1 and ids.size else ids[:0]
         if bad.size:
@@ -150,18 +136,12 @@ class Engine:
         self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
 
-    def sequence(self, request_id: int) -> Sequence:
-        """The scheduler's live `Sequence` of a request (read it, never mutate it)."""
-        return self._requests[request_id].seq
-
     def has_request(self, request_id: int) -> bool:
         """Whether the request is queued, running or finished with its output not yet returned."""
         return request_id in self._requests
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
-
-    # The step.
 
     def step(self) -> list[RequestOutput]:
         """Plans and dispatches the next step, then applies the previous step's tokens; returns
@@ -172,11 +152,9 @@ class Engine:
         """
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        tokens, dispatch_seconds = None, 0.0
-        if plan is not None:
-            dispatch_start = time.perf_counter()
-            tokens = self.runner.execute(plan)
-            dispatch_seconds = time.perf_counter() - dispatch_start
+        dispatch_start = time.perf_counter()
+        tokens = None if plan is None else self.runner.execute(plan)
+        dispatch_seconds = time.perf_counter() - dispatch_start
         in_flight, self._in_flight = self._in_flight, None
         outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
         if plan is not None:

@@ -19,6 +19,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import IncrementalDetokenizer
 from jaxllm.engine import Request
 from jaxllm.model.attention import Kernels
+from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
 from jaxllm.sampling_params import SamplingParams
@@ -33,14 +34,9 @@ class LLM:
 
     Args:
         model: a Hugging Face Qwen3 directory, an orbax checkpoint saved by `LLM.save`, a Hub
-            id, or "random:<shape>" ("random:qwen3-tiny", "random:qwen3-0.6b", ...); None picks
-            the embedded default (random qwen3-tiny on a CPU, qwen3-0.6b on a GPU) with
-            `Platform.default_engine_kwargs` under the given ones (a lighter ladder on a CPU).
-        **kwargs: `EngineConfig` fields, keyword only: tensor_parallel_size=1,
-            max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096,
-            kvcache_block_size=256, num_kvcache_blocks=None, memory_fraction=0.9 (alias
-            gpu_memory_utilization), dtype=None, enable_prefix_caching=True,
-            eviction_policy="lru", seed=0, compile_at_startup=True; see `EngineConfig`.
+            id, or "random:<shape>" ("random:qwen3-tiny", ...); None: the embedded default
+            (`Platform.default_model`), with `Platform.default_engine_kwargs` under the given ones.
+        **kwargs: `EngineConfig` fields (gpu_memory_utilization: vLLM's name of memory_fraction).
 
     Raises:
         TypeError: an unknown argument.
@@ -55,8 +51,7 @@ class LLM:
             if "memory_fraction" in kwargs:
                 raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
             kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
         platform = Platform.detect()
@@ -72,11 +67,9 @@ class LLM:
         # `stream`), kept until their caller asks.
         self._finished: dict[int, RequestOutput] = {}
 
-    # Facts about the engine.
-
     @property
-    def model_config(self):
-        return self.engine.model_config
+    def model_config(self) -> Qwen3Config:
+        return self.engine.runner.config
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -93,14 +86,13 @@ class LLM:
 
     @property
     def startup_seconds(self) -> dict[str, float]:
-        """Seconds of each start-up phase: loading weights, the tokenizer, sizing and
-        allocating the KV cache, compiling, warming up."""
+        """Seconds of each start-up phase (`jaxllm.startup.start_engine`)."""
         return dict(self.engine.startup_seconds)
 
     @property
     def kernels(self) -> Kernels:
         """The attention kernels of prefill and decode steps (`jaxllm.platform` chose them)."""
-        return self.engine.kernels
+        return self.engine.runner.kernels
 
     @property
     def num_compilations_since_startup(self) -> int:
@@ -112,21 +104,16 @@ class LLM:
         return self.engine.scheduler.stats()
 
     def save(self, path: str | Path) -> None:
-        """Saves the model as a directory that `LLM(path)` loads back.
-
-        Writes the params (orbax) and their config, the tokenizer, and a generation_config.json
-        with the eos ids this engine stops at.
-        """
+        """Saves the model as a directory that `LLM(path)` loads back: the params (orbax) and
+        their config, the tokenizer, and a generation_config.json of the eos ids it stops at."""
         from jaxllm.model.checkpoint import save_params
 
-        save_params(path, self.engine.model_config, self.engine.runner.params)
+        save_params(path, self.engine.runner.config, self.engine.runner.params)
         self.tokenizer.save_pretrained(path)
         eos = list(self.engine.scheduler.config.eos_token_ids)
         (Path(path) / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos}, indent=2) + "\n"
         )
-
-    # Generation.
 
     def generate(
         self,
@@ -139,14 +126,13 @@ class LLM:
         Args:
             prompts: one string, a list of strings, one list (or 1-d array) of token ids, or
                 a list (or any iterable) of those.
-            sampling_params: one SamplingParams for all, or one per prompt; default
-                `SamplingParams()`.
+            sampling_params: one SamplingParams for all (default `SamplingParams()`), or one
+                per prompt.
             use_tqdm: show a progress bar with prefill and decode tokens/s.
 
         Raises:
-            ValueError: an empty prompt, a prompt too long or with token ids outside the
-                vocabulary, a request that can never fit in the KV cache, or a sampling_params
-                list of the wrong length. Nothing of the call runs then.
+            ValueError: an empty, too long or out-of-vocabulary prompt, a request that can never
+                fit in the KV cache, or a sampling_params list of the wrong length (nothing runs).
         """
         return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
@@ -181,9 +167,7 @@ class LLM:
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
         """
-        requests = self._requests(
-            prompt if not isinstance(prompt, str) else [prompt], sampling_params
-        )
+        requests = self._requests([prompt] if isinstance(prompt, str) else prompt, sampling_params)
         if len(requests) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(requests)}")
         return self._stream(requests[0])
@@ -196,10 +180,9 @@ class LLM:
         num_sent_tokens = num_sent_chars = 0
         try:
             while True:
-                output = self._finished.pop(request_id, None)
-                if output is None:
+                if request_id not in self._finished:
                     self._step()
-                    output = self._finished.pop(request_id, None)
+                output = self._finished.pop(request_id, None)
                 if output is not None:
                     yield StreamDelta(
                         output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
@@ -220,11 +203,8 @@ class LLM:
             self._finished.pop(request_id, None)
             self.engine.abort(request_id)
 
-    # Internals.
-
     def _step(self) -> list[int]:
-        """Runs one engine step; files the outputs it finished under `_finished`, returns their
-        request ids."""
+        """Runs one engine step; files its finished outputs under `_finished`, returns their ids."""
         finished = self.engine.step()
         for output in finished:
             self._finished[output.request_id] = output
@@ -235,8 +215,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[Request]:
-        """The engine's requests for a call, validated before any of them is queued: the one
-        place a call's input is checked."""
+        """The engine's requests of a call, all validated before any is queued."""
         texts, token_lists = self._tokenize(prompts)
         params = self._params_per_prompt(sampling_params, len(token_lists))
         requests = []
@@ -287,13 +266,11 @@ class LLM:
             if not isinstance(param, SamplingParams):
                 raise ValueError(f"sampling_params[{index}] is not a SamplingParams")
         # NOTE: requests without a seed of their own still get a stream of their own.
-        return [
-            param if param.seed is not None else self._with_derived_seed(param) for param in params
-        ]
-
-    def _with_derived_seed(self, param: SamplingParams) -> SamplingParams:
-        seed = hash((self.config.seed, next(self._seed_counter))) & (2**63 - 1)
-        return dataclasses.replace(param, _derived_seed=seed)
+        for index, param in enumerate(params):
+            if param.seed is None:
+                seed = hash((self.config.seed, next(self._seed_counter))) & (2**63 - 1)
+                params[index] = dataclasses.replace(param, _derived_seed=seed)
+        return params
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -1,14 +1,12 @@
 """The platform: what jaxllm runs on, asked once, and every choice that follows from it.
 
-`Platform.detect()` reads the hardware (jax's default backend, the first device) and whether
-FlashAttention-3 runs there; the engine detects it once and everything else reads the
-`Platform` it is handed: the param dtype, the prefill tile, the attention kernels, the KV cache
-budget on a CPU, the embedded default model. No other module asks what it runs on.
+`Platform.detect()` reads jax's default backend, the first device and whether FlashAttention-3
+runs there, once; everything else reads the `Platform` it is handed (param dtype, prefill tile,
+attention kernels, the KV cache budget on a CPU, the embedded default model).
 
-The one override is the environment variable `JAXLLM_ATTENTION_BACKEND` (as vLLM's
-`VLLM_ATTENTION_BACKEND`): "reference" (portable jax.numpy everywhere), "flash"
-(FlashAttention-3 everywhere) or "pallas" (jaxllm's decode kernel, prefill on FA3 where it
-runs); unset or "auto", the fastest measured for this platform (docs/performance.md).
+The one override, `JAXLLM_ATTENTION_BACKEND` (as vLLM's `VLLM_ATTENTION_BACKEND`): "reference"
+(portable jax.numpy), "flash" (FlashAttention-3) or "pallas" (jaxllm's decode kernel, prefill on
+FA3 where it runs); unset or "auto", the fastest measured here (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -128,12 +126,10 @@ class Platform:
 
     @property
     def default_model(self) -> str:
-        """The embedded default: random qwen3-0.6b weights on a GPU, qwen3-tiny elsewhere
-        (`JAXLLM_MODEL` overrides it)."""
+        """The embedded default: random qwen3-0.6b on a GPU, else qwen3-tiny (or `JAXLLM_MODEL`)."""
         return os.environ.get(MODEL_ENV) or (GPU_DEFAULT_MODEL if self.gpu else CPU_DEFAULT_MODEL)
 
     @property
     def default_engine_kwargs(self) -> dict[str, Any]:
-        """Engine settings of the embedded default: the `EngineConfig` defaults on a GPU, a
-        lighter ladder compiled as requests need it elsewhere."""
+        """Engine settings of the embedded default: `EngineConfig`'s on a GPU, else lighter ones."""
         return {} if self.gpu else dict(CPU_DEFAULT_ENGINE_KWARGS)

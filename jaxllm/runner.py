@@ -1,23 +1,11 @@
 """The device side of the engine: params, the donated KV cache, executables per bucket.
 
-`ModelRunner.execute(plan)` turns a step's plan into its sampled token ids: the only place where
-the host's numpy plans meet jax. A step runs two executables compiled ahead of time: the model's
-forward pass for the plan's bucket, which takes the KV cache donated and so updates it in place,
-and the sampler for the bucket's sampled rows and the variant the host picked
-(`sampler.sampler_mode`); apart, the sampler needs far fewer shapes, halving start-up compiles.
-
-`execute` returns without waiting for the device, and the engine plans the next step before it
-reads these tokens: a decode row of the next step whose input this step is still sampling takes
-it from this step's output on the device (`previous_rows`).
-
-Under tensor parallelism the forward pass runs in shard_map over the "tp" mesh
-(`sharded_forward`); the inputs go to every device and the logits come back whole, where the
-sampler runs replicated. With several processes (`jax.distributed`) every process runs the same
-steps on the same host arrays, each made one global, replicated array.
-
-A step's host arrays travel as one flat int32 array per executable (`pack`; floats and uint32
-seeds bit-cast): each host array handed to an executable is a transfer of its own, tens of
-microseconds of the host's time per step on a GPU.
+`ModelRunner.execute(plan)` is the only place where the host's numpy plans meet jax. A step runs
+two executables compiled ahead of time: the forward pass of the plan's bucket (KV cache donated,
+so updated in place) and the sampler in the variant the host picked (`sampler.sampler_mode`);
+kept apart, the sampler needs far fewer shapes, halving start-up compiles. Under tensor
+parallelism the forward pass runs in shard_map over the "tp" mesh, the sampler replicated; with
+several processes (`jax.distributed`) each runs the same steps on the same host arrays.
 """
 
 from __future__ import annotations
@@ -51,16 +39,15 @@ logger = logging.getLogger(__name__)
 # compiles this many executables at once on threads (as JetStream's AOT warm-up does).
 COMPILE_THREADS = 8
 
-# NOTE: a free gap of this size is left below the KV cache for the small buffers of every step
-# (packed inputs, sampled tokens). Carved instead from the free memory above the cache, each
-# one a little further on, they move the step's temporaries, and XLA re-records the step's
-# CUDA graph whenever an address it holds moves: 1.5 ms of host time per qwen3-0.6b decode
-# step on an H200, where replaying takes 0.6 (docs/performance.md).
+# NOTE: a free gap below the KV cache for each step's small buffers (packed inputs, tokens): carved
+# above it they move the step's temporaries, and XLA re-records its CUDA graph, 1.5 ms of host
+# time per qwen3-0.6b decode step on an H200 where replaying takes 0.6 (docs/performance.md).
 SMALL_BUFFERS_BYTES = 2 << 20
 
 
 def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:
-    """Host arrays of 4-byte dtypes as one flat int32 array."""
+    """Host arrays of 4-byte dtypes as one flat int32 array. NOTE: each array handed to an
+    executable is a transfer of its own, tens of microseconds of the host's time per step."""
     parts = []
     for index, array in enumerate(arrays):
         array = np.asarray(array)
@@ -81,30 +68,19 @@ def unpack(packed: jax.Array, like: Sequence[np.ndarray]) -> list[jax.Array]:
     return arrays
 
 
-def _model_arrays(inputs: ModelInputs, rows: np.ndarray) -> tuple[np.ndarray, ...]:
-    """What the forward executable's packed input holds: the inputs, then `previous_rows`."""
-    return (*inputs, rows)
-
-
 def previous_rows(plan: StepPlan, previous: StepPlan | None) -> np.ndarray:
     """[T] for each decode row of `plan` whose input token `previous` sampled, its row in that
-    step's output; -1 elsewhere.
-
-    The engine plans a step before it reads the previous one's tokens, so such a token may not
-    be on the host yet (the plan holds 0 for it); taken from the device, it is right whether or
-    not the host has it. Prefill chunks never hold a token still on the device.
-    """
+    step's output; -1 elsewhere. NOTE: the engine plans a step before it reads the previous
+    one's tokens, so such a token may not be on the host yet (the plan holds 0 for it); prefill
+    chunks never hold one."""
     rows = np.full(plan.bucket.num_tokens, -1, np.int32)
     if previous is None or plan.is_prefill:
         return rows
-    sampled_at = {
-        seq.seq_id: (row, start + count)
-        for row, (seq, start, count, samples) in enumerate(
-            zip(previous.seqs, previous.start_positions, previous.num_new_tokens,
-                previous.samples, strict=True)
-        )
-        if samples
-    }  # fmt: skip
+    sampled_at = {  # seq_id -> (row, the position of the token it samples)
+        seq.seq_id: (row, previous.start_positions[row] + previous.num_new_tokens[row])
+        for row, seq in enumerate(previous.seqs)
+        if previous.samples[row]
+    }
     for row, (seq, start) in enumerate(zip(plan.seqs, plan.start_positions, strict=True)):
         source = sampled_at.get(seq.seq_id)
         if source is not None and source[1] == start:
@@ -113,10 +89,10 @@ def previous_rows(plan: StepPlan, previous: StepPlan | None) -> np.ndarray:
 
 
 def _forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
-    """The model step, its rows that name a row of the previous step's sampled tokens
-    (`previous_rows`) taking that token as their token id."""
+    """The model step; `packed` holds its inputs, then `previous_rows`: a row naming a row of
+    the previous step's sampled tokens takes that token as its token id."""
     inputs, _ = bucket.padding()
-    *arrays, rows = unpack(packed, _model_arrays(inputs, np.zeros(bucket.num_tokens, np.int32)))
+    *arrays, rows = unpack(packed, (*inputs, np.zeros(bucket.num_tokens, np.int32)))
     inputs = ModelInputs(*arrays)
     from_previous = previous_tokens[jnp.maximum(rows, 0)]  # [T]
     token_ids = jnp.where(rows >= 0, from_previous, inputs.token_ids)
@@ -139,16 +115,10 @@ def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeD
 def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any, Any]:
     """Compiles lowered programs (or loads them from the persistent cache), `COMPILE_THREADS`
     at a time; ticks `bar` as each is done."""
-    workers = min(COMPILE_THREADS, len(programs), os.cpu_count() or 1)
-    if workers <= 1:
-        compiled = {}
-        for key, program in programs.items():
-            compiled[key] = program.compile()
-            bar.update(1)
-        return compiled
+    compiled = {}
+    workers = max(1, min(COMPILE_THREADS, len(programs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(program.compile): key for key, program in programs.items()}
-        compiled = {}
         for future in concurrent.futures.as_completed(futures):
             compiled[futures[future]] = future.result()
             bar.update(1)
@@ -266,11 +236,8 @@ class ModelRunner:
         cache = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_cache
         )
-        with tqdm(
-            total=len(buckets) + len(samplers),
-            desc="Compiling buckets",
-            disable=not use_tqdm or not buckets,
-        ) as bar:
+        total, disable = len(buckets) + len(samplers), not use_tqdm or not buckets
+        with tqdm(total=total, desc="Compiling buckets", disable=disable) as bar:
             sampler_programs = {}
             for num_rows, mode in samplers:
                 logits = jax.ShapeDtypeStruct(
@@ -288,7 +255,7 @@ class ModelRunner:
                 for bucket in buckets:
                     inputs, _ = bucket.padding()
                     rows = np.zeros(bucket.num_tokens, np.int32)
-                    packed = _shapes(_model_arrays(inputs, rows), self._replicated)
+                    packed = _shapes((*inputs, rows), self._replicated)
                     forward_programs[bucket] = self._forward.lower(
                         self.params, cache, packed, previous, bucket=bucket
                     )
@@ -298,17 +265,14 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
 
-        The first run of an executable pays for loading its kernels and building its CUDA
-        command buffers; without a warm-up that falls on the first requests' steps (vLLM
-        captures its CUDA graphs at start-up for the same reason). Padding rows write nothing
-        (slot -1) and padding tiles attend to nothing (context 0), as in every padded step, so
-        the cache is left as it was.
+        NOTE: an executable's first run loads its kernels and builds its CUDA command buffers,
+        a cost kept off the first requests (vLLM captures its CUDA graphs at start-up likewise).
+        Padding writes nothing (slot -1) and attends to nothing (context 0): the cache is unchanged.
         """
         logits_by_rows = {}
         for bucket in self._forward_executables:
             inputs, _ = bucket.padding()
-            rows = np.full(bucket.num_tokens, -1, np.int32)
-            arrays = _model_arrays(inputs, rows)
+            arrays = (*inputs, np.full(bucket.num_tokens, -1, np.int32))
             logits_by_rows[bucket.num_sampled] = self._run_forward(bucket, arrays, self._no_tokens)
         results = [self.kv_cache]
         for num_rows, mode in self._sample_executables:
@@ -323,8 +287,7 @@ class ModelRunner:
             [max_sampled_rows] int32 sampled tokens on the device, row i the token of
             `plan.seqs[i]`; rows past the plan's are 0.
         """
-        bucket = plan.bucket
-        sampling = plan.sampling
+        bucket, sampling = plan.bucket, plan.sampling
         vocab = self.config.vocab_size
         mode = sampler_mode(
             sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, vocab
@@ -335,9 +298,8 @@ class ModelRunner:
             if self.warn_on_compile:
                 logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
             self.compile([bucket], use_tqdm=False, sampler_modes=[mode])
-        previous_tokens = self._no_tokens if self._previous is None else self._previous[1]
-        previous_plan = None if self._previous is None else self._previous[0]
-        arrays = _model_arrays(plan.inputs, previous_rows(plan, previous_plan))
+        previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
+        arrays = (*plan.inputs, previous_rows(plan, previous_plan))
         logits = self._run_forward(bucket, arrays, previous_tokens)
         tokens = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
         self._previous = (plan, tokens)
@@ -346,8 +308,7 @@ class ModelRunner:
     def _run_forward(
         self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array
     ) -> jax.Array:
-        """Dispatches the bucket's model step; returns its logits and keeps the step's updated
-        cache."""
+        """Dispatches the bucket's model step; keeps its updated cache, returns its logits."""
         packed = self._on_devices(pack(arrays))
         logits, self.kv_cache = self._forward_executables[bucket](
             self.params, self.kv_cache, packed, previous_tokens
@@ -357,7 +318,6 @@ class ModelRunner:
     def _run_sampler(
         self, num_rows: int, mode: str, logits: jax.Array, sampling: SamplingInputs
     ) -> jax.Array:
-        """Dispatches the sampler of `num_rows` rows in `mode`."""
         packed = self._on_devices(pack(sampling))
         return self._sample_executables[num_rows, mode](logits, packed)
 

@@ -48,9 +48,7 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        self._validate()
 
-    def _validate(self) -> None:
         def fail(name: str, allowed: str) -> None:
             value = getattr(self, name)
             raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")

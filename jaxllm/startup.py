@@ -1,9 +1,9 @@
 """Start-up: from a model name and the settings to a serving `Engine`.
 
-`start_engine` runs the phases in order, each timed (`Engine.startup_seconds`): load the
-weights, load the tokenizer, size the KV cache from the free device memory, allocate it, and,
-unless compilation is left to the first steps, compile the ladder's executables (or load them
-from the persistent compilation cache) and run each once.
+`start_engine` runs the phases in order, each timed (`Engine.startup_seconds`): load the weights
+and the tokenizer, size the KV cache from the free device memory, allocate it, and (unless left
+to the first steps) compile the ladder's executables, or load them from the persistent
+compilation cache, and run each once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
+from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
@@ -34,15 +35,13 @@ from jaxllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-
-# JAX's persistent compilation cache, a setting of the process: "" leaves it off.
 COMPILATION_CACHE_ENV = "JAXLLM_COMPILATION_CACHE"
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxllm/xla"
 
 
 def configure_compilation_cache() -> None:
-    """Turns on JAX's persistent compilation cache in `$JAXLLM_COMPILATION_CACHE` (default
-    ~/.cache/jaxllm/xla), unless it is "" or the process set a cache already."""
+    """Turns on JAX's persistent compilation cache, for the process, in `$JAXLLM_COMPILATION_CACHE`
+    (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already."""
     directory = os.path.expanduser(os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE))
     if not directory or jax.config.jax_compilation_cache_dir:
         return
@@ -121,11 +120,10 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         tokenizer = load_tokenizer(None if is_random else path)
     # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
     # embedded default.
-    eos = (
-        (tokenizer.eos_token_id, tokenizer.pad_token_id)
-        if is_random
-        else eos_token_ids(tokenizer, path)
-    )
+    if is_random:
+        eos = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        eos = eos_token_ids(tokenizer, path)
     tile = platform.prefill_tile
     block_size = config.kvcache_block_size
     settings = SchedulerConfig(
@@ -138,9 +136,8 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         enable_prefix_caching=config.enable_prefix_caching,
         eos_token_ids=tuple(int(t) for t in eos if t is not None),
     )
-    # NOTE: FA3 reads only each sequence's context, so the table width does not change its
-    # work: every table is padded to the widest (fewer executables). The portable attention
-    # gathers whole tables.
+    # NOTE: FA3 reads only each sequence's context, so its tables are padded to the widest
+    # (fewer executables, the same work); the portable attention gathers whole tables.
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     with phase("size the KV cache"):
         num_blocks = config.num_kvcache_blocks or fit_num_blocks(
@@ -180,7 +177,7 @@ def fit_num_blocks(
     params: Params,
     ladder: BucketLadder,
     mesh: jax.sharding.Mesh,
-    kernels,
+    kernels: Kernels,
     platform: Platform,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device beside the params and the scratch

@@ -122,11 +122,12 @@ def _build_tokenizer():
         pre_tokenizers,
         processors,
     )
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     ranks = _read_tiktoken_ranks()
     if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
         raise ValueError(f"qwen.tiktoken does not hold the {NUM_BPE_TOKENS} Qwen BPE ranks")
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()  # GPT-2's reversible bytes -> printable characters
 
     def to_text(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
@@ -204,22 +205,6 @@ def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes
     if len(parts) != 2:
         raise ValueError(f"token {token!r} (rank {rank}) is not a merge of two lower-rank tokens")
     return parts[0], parts[1]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters, used by byte-level BPE."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _save_atomically(tokenizer, path: Path) -> None:

@@ -13,6 +13,7 @@ collisions notwithstanding.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class BlockPool:
         self._tokens: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._empty = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
-        self._next_key = ROOT_KEY + 1
+        self._new_keys = itertools.count(ROOT_KEY + 1)
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
         self._num_evictions = 0
@@ -114,7 +115,8 @@ class BlockPool:
     def find_cached_prefix(
         self, token_ids: np.ndarray | Sequence[int], block_hashes: Sequence[int], max_blocks: int
     ) -> list[int]:
-        """The longest run of cached blocks holding the KV of the first blocks of `token_ids`.
+        """The block ids, in order, of the longest run of cached blocks holding the KV of the
+        first blocks of `token_ids` (possibly none).
 
         Mutates nothing, not even the statistics (`record_query` counts).
 
@@ -122,9 +124,6 @@ class BlockPool:
             token_ids: [N] the request's tokens.
             block_hashes: chained hashes of at least the first `max_blocks` full blocks.
             max_blocks: look at most this many blocks deep.
-
-        Returns:
-            The block ids of the hit, in order (possibly empty).
         """
         if not self.enable_prefix_caching:
             return []
@@ -148,13 +147,11 @@ class BlockPool:
         return num_new_blocks + sum(1 for block_id in cached_block_ids if refs[block_id] == 0)
 
     def allocate(self, cached_block_ids: Sequence[int], num_new_blocks: int) -> list[int] | None:
-        """References the hit blocks and `num_new_blocks` fresh ones; None if they do not fit.
+        """References the hit blocks and `num_new_blocks` fresh ones: a new block table
+        (`cached_block_ids`, then the fresh blocks), or None if they do not fit.
 
         Mutates ref counts, the empty list, the policy (hits, and evictions when the empty list
         runs out) and the hash map (evicted entries); nothing when it returns None.
-
-        Returns:
-            A new block table: `cached_block_ids` followed by the fresh blocks.
         """
         if self.num_blocks_to_take(cached_block_ids, num_new_blocks) > self.num_free_blocks:
             return None
@@ -203,7 +200,6 @@ class BlockPool:
             block_table: the sequence's blocks; `first` .. `last - 1` referenced by it alone.
             token_ids: [N] the sequence's tokens, N >= last * block_size.
             block_hashes: chained hashes of at least `last` blocks of `token_ids`.
-            first, last: the range of block indices to enter.
         """
         if not self.enable_prefix_caching or first >= last:
             return
@@ -221,22 +217,19 @@ class BlockPool:
             owner = self._hash_to_block.get(block_hash)
             if owner is None:
                 self._hashes[block_id] = block_hash
-                self._keys[block_id] = self._next_key
-                self._next_key += 1
+                self._keys[block_id] = next(self._new_keys)
                 self._parent_keys[block_id] = parent_key
                 self._tokens[block_id] = tokens
                 self._hash_to_block[block_hash] = block_id
                 self.policy.on_cache(block_id)
-            elif owner == block_id:
-                pass
-            elif self._tokens[owner] == tokens and self._parent_keys[owner] == parent_key:
+            elif owner != block_id:
+                if self._tokens[owner] != tokens or self._parent_keys[owner] != parent_key:
+                    return  # a hash collision
                 self._ref_counts[owner] += 1
                 self.policy.on_hit(owner)
                 block_table[index] = owner
                 self.free((block_id,))
                 block_id = owner
-            else:
-                return
             parent_key = self._keys[block_id]
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -274,10 +267,8 @@ class BlockPool:
         return taken
 
     def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
-        """Raises `IntegrityError` unless every invariant of the pool holds.
-
-        Args:
-            block_tables: the block tables of every live sequence.
+        """Raises `IntegrityError` unless every invariant of the pool holds, given the block
+        tables of every live sequence.
 
         Checks: ref counts equal the uses in `block_tables`; every block is in exactly one state
         (see the module docstring); the hash map and the blocks' hashes agree; keys are unique.
@@ -304,11 +295,8 @@ class BlockPool:
             )
             require(not (cached and block_id in empty), f"empty block {block_id} has a hash")
             require(cached or block_id not in self.policy, f"evictable block {block_id} no hash")
-        require(
-            len(empty) + len(self.policy) + sum(1 for r in self._ref_counts if r > 0)
-            == self.num_blocks,
-            "free + used != total",
-        )
+        num_used = sum(1 for count in self._ref_counts if count > 0)
+        require(len(empty) + len(self.policy) + num_used == self.num_blocks, "free + used != total")
         hashed = [b for b in range(self.num_blocks) if self._hashes[b] is not None]
         require(len(hashed) == len(self._hash_to_block), "hashed blocks missing from the map")
         for block_hash, block_id in self._hash_to_block.items():

@@ -16,10 +16,13 @@ from typing import Any, ClassVar
 class EvictionPolicy(ABC):
     """Chooses the victim among the evictable (cached, unreferenced) blocks of one pool.
 
-    Every method mutates the policy's own record of evictable blocks and their history.
+    Every method mutates the policy's own record of evictable blocks and their history: a
+    subclass keeps it in `_evictable`, a dict keyed by those blocks, or overrides `__len__` and
+    `__contains__`.
     """
 
     name: ClassVar[str] = ""
+    _evictable: dict[int, Any]
 
     def on_cache(self, block_id: int) -> None:  # noqa: B027 (an optional hook)
         """Block `block_id` got a hash; it is referenced, hence not evictable yet."""
@@ -40,13 +43,13 @@ class EvictionPolicy(ABC):
     def victim(self) -> int:
         """The evictable block to evict next (left in place: the pool calls `on_evict`)."""
 
-    @abstractmethod
     def __len__(self) -> int:
         """The number of evictable blocks."""
+        return len(self._evictable)
 
-    @abstractmethod
     def __contains__(self, block_id: object) -> bool:
         """Whether `block_id` is evictable."""
+        return block_id in self._evictable
 
 
 class LRUPolicy(EvictionPolicy):
@@ -69,12 +72,6 @@ class LRUPolicy(EvictionPolicy):
     def victim(self) -> int:
         return next(iter(self._evictable))
 
-    def __len__(self) -> int:
-        return len(self._evictable)
-
-    def __contains__(self, block_id: object) -> bool:
-        return block_id in self._evictable
-
 
 class MRUPolicy(LRUPolicy):
     """Most recently used: evicts the block freed last (suits one-pass scans over a long prompt)."""
@@ -94,7 +91,7 @@ class PriorityPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._heap: list[tuple[Any, int, int]] = []  # (priority, free order, block id)
-        self._entries: dict[int, tuple[Any, int, int]] = {}  # the live entry of each evictable
+        self._evictable: dict[int, tuple[Any, int, int]] = {}  # each one's live heap entry
         self._free_order = itertools.count()
 
     @abstractmethod
@@ -103,33 +100,27 @@ class PriorityPolicy(EvictionPolicy):
 
     def on_free(self, block_id: int) -> None:
         entry = (self.priority(block_id), next(self._free_order), block_id)
-        self._entries[block_id] = entry
+        self._evictable[block_id] = entry
         heapq.heappush(self._heap, entry)
 
     def on_hit(self, block_id: int) -> None:
-        if self._entries.pop(block_id, None) is not None:
+        if self._evictable.pop(block_id, None) is not None:
             self._compact_if_stale()
 
     def on_evict(self, block_id: int) -> None:
-        del self._entries[block_id]
+        del self._evictable[block_id]
         self._compact_if_stale()
 
     def victim(self) -> int:
         heap = self._heap
-        while self._entries.get(heap[0][2]) is not heap[0]:
+        while self._evictable.get(heap[0][2]) is not heap[0]:
             heapq.heappop(heap)
         return heap[0][2]
 
     def _compact_if_stale(self) -> None:
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = list(self._entries.values())
+        if len(self._heap) > 2 * len(self._evictable) + 64:
+            self._heap = list(self._evictable.values())
             heapq.heapify(self._heap)
-
-    def __contains__(self, block_id: object) -> bool:
-        return block_id in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 class FIFOPolicy(PriorityPolicy):

@@ -18,14 +18,11 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
-    """The xxhash64 of one full block chained to its parent.
+    """The xxhash64 (an unsigned 64-bit int) of one full block chained to its parent.
 
     Args:
         parent_hash: the previous block's hash; None for the first block of a sequence.
         token_ids: [block_size] the token ids of this block.
-
-    Returns:
-        An unsigned 64-bit integer.
     """
     hasher = xxhash.xxh64()
     if parent_hash is not None:
@@ -43,7 +40,6 @@ def extend_block_hashes(
     Args:
         block_hashes: hashes of the first len(block_hashes) blocks of `token_ids`; mutated.
         token_ids: [N] the tokens; only the N // block_size full blocks are hashed.
-        block_size: tokens per block.
     """
     parent = block_hashes[-1] if block_hashes else None
     for index in range(len(block_hashes), len(token_ids) // block_size):

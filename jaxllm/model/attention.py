@@ -55,8 +55,7 @@ class Kernels:
         return (self.prefill, self.decode) != ("reference", "reference")
 
 
-# The portable kernels: jax.numpy attention for every step.
-PORTABLE = Kernels()
+PORTABLE = Kernels()  # jax.numpy attention for every step
 
 
 def attend(

@@ -1,7 +1,7 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
-An orbax checkpoint directory holds `params/` (orbax) and `jaxllm_config.json` (the config).
-Every loader takes the "tp" mesh (`sharding.make_mesh`) and puts on each device only its blocks.
+Every loader takes the "tp" mesh (`sharding.make_mesh`; default: the first device alone) and puts
+on each device only its blocks.
 """
 
 from __future__ import annotations
@@ -38,13 +38,8 @@ def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
 def load_orbax_checkpoint(
     path: str | Path, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
-    """Reads a directory written by `save_params` (with any mesh) onto the devices of `mesh`.
-
-    Args:
-        path: the checkpoint directory.
-        dtype: param dtype name (the saved params are cast); default: the saved config's.
-        mesh: the "tp" mesh the params are sharded over; default the first device alone.
-    """
+    """Reads a directory written by `save_params` (with any mesh) onto the devices of `mesh`,
+    the params cast to `dtype` (a dtype name; default: the saved config's)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -55,24 +50,20 @@ def load_orbax_checkpoint(
         abstract_params(config),
         param_shardings(config, mesh or make_mesh(1)),
     )
-    params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
-    return config, params
+    return config, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
 
 
 def load_params(
     path_or_preset: str | Path, dtype: str | None = None, seed: int = 0, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
-    """Loads model params from a Hugging Face directory, an orbax directory or a random preset.
+    """Loads model params from a Hugging Face directory, an orbax directory or a random preset:
+    the config (its dtype the params') and the param tree on the mesh's devices.
 
     Args:
         path_or_preset: a Hugging Face Qwen3 directory (config.json + *.safetensors), a
             directory written by `save_params`, or `random:<name>` with a name in `PRESETS`.
         dtype: param dtype name; default the checkpoint's or preset's.
         seed: the random preset's seed.
-        mesh: the "tp" mesh the params are sharded over; default the first device alone.
-
-    Returns:
-        The config (its dtype the params') and the param tree on the mesh's devices.
 
     Raises:
         ValueError: an unknown preset or unsupported model, or a mesh that does not divide the

@@ -89,8 +89,6 @@ class Qwen3Config:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"unsupported Qwen3 config: rope_type={rope_type!r}")
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
-        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         num_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
@@ -100,11 +98,11 @@ class Qwen3Config:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(rope_theta),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 40_960),
-            dtype=dtype,
+            dtype=hf.get("torch_dtype") or hf.get("dtype") or "float32",
         )
 
 

@@ -84,10 +84,8 @@ def _decode_kernel(
     acc = jnp.zeros((num_rows, head_dim), jnp.float32)
     m = jnp.full((num_rows,), _MASK_VALUE, jnp.float32)
     total = jnp.zeros((num_rows,), jnp.float32)
-    acc, m, total = lax.fori_loop(start, jnp.maximum(start, end), body, (acc, m, total))
-    o_ref[...] = acc
-    m_ref[...] = m
-    total_ref[...] = total
+    carry = lax.fori_loop(start, jnp.maximum(start, end), body, (acc, m, total))
+    o_ref[...], m_ref[...], total_ref[...] = carry
 
 
 def tile_rows(block_size: int, num_kv_heads: int, rows: int = ROWS) -> int | None:
@@ -126,7 +124,8 @@ def paged_decode_attention(
     num_stages: int = NUM_STAGES,
     interpret: bool = False,
 ) -> jax.Array:
-    """Attention of one query token per sequence over its paged context.
+    """Attention of one query token per sequence over its paged context: [G, N, H] in q's dtype,
+    zeros for a sequence with no context.
 
     Args:
         q: [G, N, H] the queries (bf16/f16; f32 in interpret mode).
@@ -136,9 +135,6 @@ def paged_decode_attention(
         num_splits: programs per sequence (default `num_splits_for`).
         rows, num_warps, num_stages, interpret: the tile (cache rows), Triton's launch settings,
             and Pallas' interpreter (tests on a CPU).
-
-    Returns:
-        [G, N, H] in q's dtype; zeros for a sequence with no context.
     """
     num_sequences, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_pool.shape

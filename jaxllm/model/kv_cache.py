@@ -28,8 +28,7 @@ KV_CACHE_AXES = ("layers", "blocks", "block_offset", "kv_heads", "head_dim")
 
 @struct.dataclass
 class KVCache:
-    """The whole paged cache: `keys` and `values`, each [L, NB, BS, K, H] (a pytree, donated to
-    every step)."""
+    """The paged cache: `keys` and `values`, each [L, NB, BS, K, H] (a pytree donated to steps)."""
 
     keys: jax.Array
     values: jax.Array
@@ -55,8 +54,7 @@ def kv_cache_bytes_per_block(
     dtype: jnp.dtype | str | None = None,
     tensor_parallel_size: int = 1,
 ) -> int:
-    """Bytes one block takes on each device, across all layers (to size the pool from free
-    memory)."""
+    """Bytes one block takes on each device over all layers (sizes the pool from free memory)."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
     kv_heads = config.num_kv_heads // tensor_parallel_size
     return config.num_layers * 2 * block_size * kv_heads * config.head_dim * itemsize

@@ -44,11 +44,8 @@ def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
 
 
 def embed_tokens(embed: jax.Array, token_ids: jax.Array, tp_size: int) -> jax.Array:
-    """Looks up `token_ids` [T] in the (vocab-parallel) embedding [V, D] -> [T, D].
-
-    Under tensor parallelism tokens outside this device's vocab rows contribute zeros and the
-    devices' results are added, which is exact.
-    """
+    """Looks up `token_ids` [T] in the (vocab-parallel) embedding [V, D] -> [T, D]; under tensor
+    parallelism each device adds zeros for the tokens outside its vocab rows, which is exact."""
     if tp_size == 1:
         return embed[token_ids]
     vocab_per_device = embed.shape[0]

@@ -1,14 +1,13 @@
 """Loads a Hugging Face Qwen3 checkpoint (config.json + safetensors shards) into the param tree.
 
 One table, `hf_weights`, maps every Hugging Face tensor name to a param path, a layout and, for
-fused weights, the part of the param it fills. Names and shapes are checked against it before
-any data is read; one `CheckpointError` names every missing, unmapped, duplicated or mis-shaped
-tensor.
+fused weights, the part of the param it fills; names and shapes are checked against it before
+any data is read.
 
-Each param is built device by device: that device's block is read through
-`safe_open(...).get_slice` (memory-mapped: only its rows or columns) into one host buffer and
-sent to the device before the next block is read, so host memory holds one block at a time.
-With several processes (`jax.distributed`) each reads only its own devices' blocks.
+Each param is built device by device: that device's block is read (`safe_open(...).get_slice`,
+memory-mapped: only its rows or columns) into a host buffer and sent to the device before the
+next block is read, so host memory holds one block at a time. With several processes
+(`jax.distributed`) each reads only its own devices' blocks.
 
 Legend: D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim, V vocab.
 """
@@ -58,9 +57,7 @@ class Layout:
         return (math.prod(param_shape[split:]), math.prod(param_shape[:split]))
 
     def convert(self, tensor: np.ndarray, param_shape: tuple[int, ...]) -> np.ndarray:
-        if not self.linear_in_axes:
-            return tensor
-        return tensor.T.reshape(param_shape)
+        return tensor.T.reshape(param_shape) if self.linear_in_axes else tensor
 
     def hf_index(self, param_shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, ...]:
         """The slices of the Hugging Face tensor that hold the block `index` of the param."""
@@ -183,8 +180,7 @@ def _expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]
     """HF name -> where it goes and its shape, for every tensor of this config."""
     expected = {}
     for pattern, (path, layout, part) in hf_weights(config).items():
-        layers = range(config.num_layers) if "{i}" in pattern else [None]
-        for i in layers:
+        for i in range(config.num_layers) if "{i}" in pattern else [None]:
             param_path = path if i is None else (f"layers_{i}", *path)
             param_shape = _get(shapes, param_path).shape
             if part is not None:
@@ -197,16 +193,13 @@ def _expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]
 def load_hf_checkpoint(
     path: str | Path, dtype: str | None = None, progress: bool = True, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
-    """Reads a Hugging Face Qwen3 directory into device params, sharded over `mesh`.
+    """Reads a Hugging Face Qwen3 directory into device params sharded over the "tp" `mesh`
+    (default: the first device alone): returns the config (its dtype the params') and params.
 
     Args:
         path: directory with config.json and *.safetensors (and, if several, the index).
         dtype: param dtype name; default the checkpoint's.
         progress: show a tqdm bar over the tensors.
-        mesh: the "tp" mesh the params are sharded over; default the first device alone.
-
-    Returns:
-        The config (its dtype the params') and the param tree.
 
     Raises:
         CheckpointError: naming every missing, unmapped, duplicated or mis-shaped tensor.

@@ -90,7 +90,8 @@ def norm_rope_write(
     eps: float,
     interpret: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Normalises and rotates the queries and keys, and writes keys and values to the cache.
+    """Normalises and rotates the queries and keys, and writes keys and values to the cache;
+    returns the queries [T, K * G, H] in qkv's dtype, and the cache.
 
     Args:
         qkv: [T, K, G + 2, H] the fused projection: each kv head's G queries, key and value.
@@ -99,9 +100,6 @@ def norm_rope_write(
         kv_cache, layer, slot_mapping: the cache (donated, updated in place), the layer and
             [T] flat slots written (negative ones, padding, write nothing).
         interpret: run in Pallas' interpreter (off a GPU).
-
-    Returns:
-        The queries [T, K * G, H] in qkv's dtype, and the cache.
     """
     num_tokens, num_kv_heads, width, head_dim = qkv.shape
     group = width - 2
@@ -112,6 +110,8 @@ def norm_rope_write(
     per_token = lambda *shape: pl.BlockSpec((None, *shape), lambda t: (t,) + (0,) * len(shape))
     whole = lambda size: pl.BlockSpec((size,), lambda t: (0,))
     kernel = functools.partial(_kernel, group=group, slots_per_layer=slots_per_layer, eps=eps)
+    layer_index = jnp.asarray(layer, jnp.int32).reshape(1)
+    flat_cache = (kv_cache.keys.reshape(rows), kv_cache.values.reshape(rows))
     q, keys, values = pl.pallas_call(
         kernel,
         grid=(num_tokens,),
@@ -136,17 +136,7 @@ def norm_rope_write(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="jaxllm_norm_rope_write",
-    )(
-        jnp.asarray(layer, jnp.int32).reshape(1),
-        slot_mapping,
-        qkv,
-        q_scale,
-        k_scale,
-        cos,
-        sin,
-        kv_cache.keys.reshape(rows),
-        kv_cache.values.reshape(rows),
-    )
+    )(layer_index, slot_mapping, qkv, q_scale, k_scale, cos, sin, *flat_cache)
     shape = kv_cache.keys.shape
     q = q.reshape(num_tokens, num_kv_heads * group, head_dim)
     return q, KVCache(keys.reshape(shape), values.reshape(shape))

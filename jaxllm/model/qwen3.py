@@ -1,8 +1,7 @@
 """The Qwen3 causal LM as a Flax linen module, its pure forward function and random init.
 
-`forward(params, config, kv_cache, inputs, kernels) -> (logits, kv_cache)` is the whole device
-step: embed, the decoder layers carrying the paged KV cache, the final norm, and the LM head at
-the sampled rows only. Jit it with the cache donated (updated in place) and with
+`forward` is the whole device step: embed, the decoder layers carrying the paged KV cache, the
+final norm, and the LM head at the sampled rows only. Jit it with the cache donated and with
 `compiler_options=COMPILER_OPTIONS`, as the runner does.
 
 Each layer has a param tree of its own ("layers_{i}"); the model loops over them in Python,
@@ -10,10 +9,9 @@ calling one jitted layer function with a traced layer index, so JAX lowers one l
 shape and XLA inlines the L calls. NOTE: not a scan over stacked weights, whose slices XLA:GPU
 copies before every matmul (docs/performance.md).
 
-Tensor parallelism: `sharded_forward` runs `forward` under `shard_map` over the mesh's "tp"
-axis, each device on its blocks of the weights (their logical axes below; `sharding.py`). The
-vocab-parallel embedding and each layer's o_proj and down_proj add the devices' partial results
-(`psum`); the logits are gathered, so every device returns all of [S, V].
+Tensor parallelism (`sharded_forward`): each device holds its blocks of the weights (logical
+axes below; `sharding.py`); the embedding, o_proj and down_proj add the devices' partial
+results (`psum`) and the logits are gathered.
 
 Param tree, global shapes and logical axes (G = N / K):
     embed [V, D] (vocab, embed)
@@ -116,20 +114,16 @@ def forward(
     kernels: Kernels = PORTABLE,
     tp_size: int = 1,
 ) -> tuple[jax.Array, KVCache]:
-    """One model step over the paged cache.
+    """One model step over the paged cache: logits [S, V] float32 at `inputs.sample_indices`,
+    and the updated cache.
 
     Args:
         params: the param tree (see the module docstring); one device's blocks if tp_size > 1.
         config, kernels: the model config and the attention kernels (static under jit).
         kv_cache: the paged cache (see kv_cache.py); donate it under jit.
-        inputs: the step's token ids, positions and cache addressing.
         tp_size: 1, or the "tp" axis size when called inside shard_map (`sharded_forward`).
-
-    Returns:
-        logits [S, V] float32 at `inputs.sample_indices`, and the updated cache.
     """
-    model = Qwen3ForCausalLM(config, tp_size, kernels)
-    return model.apply({"params": params}, kv_cache, inputs)
+    return Qwen3ForCausalLM(config, tp_size, kernels).apply({"params": params}, kv_cache, inputs)
 
 
 def sharded_forward(
@@ -161,9 +155,9 @@ def _dummy_inputs() -> ModelInputs:
 
 def _boxed_outer(config: Qwen3Config, key: jax.Array) -> Params:
     """Random params of everything but the layers, wrapped with their logical axes."""
-    model = Qwen3ForCausalLM(config.replace(num_layers=0))
-    cache = allocate_kv_cache(config.replace(num_layers=0), num_blocks=1, block_size=8)
-    return model.init(key, cache, _dummy_inputs())["params"]
+    outer = config.replace(num_layers=0)
+    cache = allocate_kv_cache(outer, num_blocks=1, block_size=8)
+    return Qwen3ForCausalLM(outer).init(key, cache, _dummy_inputs())["params"]
 
 
 def _boxed_layer(config: Qwen3Config, key: jax.Array) -> Params:
@@ -171,8 +165,7 @@ def _boxed_layer(config: Qwen3Config, key: jax.Array) -> Params:
     cache = allocate_kv_cache(config.replace(num_layers=1), num_blocks=1, block_size=8)
     x = jnp.zeros((1, config.hidden_size), jnp.float32)
     cos = sin = jnp.zeros((1, config.head_dim), jnp.float32)
-    layer = DecoderLayer(config)
-    return layer.init(key, x, cache, 0, cos, sin, _dummy_inputs())["params"]
+    return DecoderLayer(config).init(key, x, cache, 0, cos, sin, _dummy_inputs())["params"]
 
 
 def _boxed_shapes(config: Qwen3Config) -> Params:

@@ -50,8 +50,7 @@ def sampler_mode(
     random_rows = np.asarray(temperature) >= GREEDY_TEMPERATURE
     if not random_rows.any():
         return "greedy"
-    top_k = np.asarray(top_k)
-    top_k = np.where(top_k >= vocab_size, 0, top_k)
+    top_k = np.where(np.asarray(top_k) >= vocab_size, 0, top_k)
     filtering = random_rows & ((top_k > 0) | (np.asarray(top_p) < 1.0))
     if not filtering.any():
         # NOTE: min-p needs the probabilities, which "random" skips, but no sort.
@@ -68,7 +67,8 @@ def sample(
     *,
     mode: str = "filtered",
 ) -> jax.Array:
-    """Samples one token per row; jittable (all arguments but the first two are static).
+    """Samples one token per row: [S] int32 token ids; jittable (all arguments but the first two
+    are static).
 
     Args:
         logits: [S, V] float32.
@@ -77,9 +77,6 @@ def sample(
             them to reach the full-sort path; results never depend on them).
         mode: one of `SAMPLER_MODES`; "filtered" is exact for any rows, the others only for
             the rows `sampler_mode` gives them for.
-
-    Returns:
-        [S] int32 token ids.
     """
     if mode not in SAMPLER_MODES:
         raise ValueError(f"unknown sampler mode {mode!r}; known: {', '.join(SAMPLER_MODES)}")

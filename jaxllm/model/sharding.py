@@ -1,10 +1,9 @@
 """Tensor parallelism: the mesh axis `tp`, the one table from logical axes to it, and shard_map.
 
 Every weight names its axes where the model declares it (`layers.sharded`), and so does the KV
-cache (`kv_cache.KV_CACHE_AXES`). `LOGICAL_AXIS_RULES` maps those names to `tp` or to None
-(replicated); it alone decides what is sharded. The step runs under `shard_map` over a one-axis
-mesh (see `qwen3.py`), made once (`make_mesh`) and passed beside the frozen config; across
-hosts it spans every process's devices (docs/multihost.md).
+cache (`kv_cache.KV_CACHE_AXES`); `LOGICAL_AXIS_RULES` alone decides which are sharded. The step
+runs under `shard_map` (`qwen3.sharded_forward`) over a one-axis mesh, made once (`make_mesh`)
+and passed beside the frozen config.
 
 Legend: L layers, D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim,
 V vocab, NB blocks, BS block size.
@@ -100,11 +99,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_map(
     f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any
 ) -> Callable[..., Any]:
-    """`jax.shard_map` without the replication check.
-
-    NOTE: the outputs are sharded or all-gathered (replicated), but jax has no public all-gather
-    typed as such.
-    """
+    """`jax.shard_map` without the replication check: the outputs are sharded or all-gathered
+    (replicated), but jax has no public all-gather typed as such."""
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
@@ -115,9 +111,7 @@ def sum_over_shards(x: jax.Array, tensor_parallel_size: int) -> jax.Array:
 
 def gather_shards(x: jax.Array, axis: int, tensor_parallel_size: int) -> jax.Array:
     """Concatenates the devices' slices of `axis` under shard_map; identity at 1."""
-    if tensor_parallel_size == 1:
-        return x
-    return jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True)
+    return jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True) if tensor_parallel_size > 1 else x
 
 
 @contextlib.contextmanager

@@ -330,45 +330,37 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, required: bool = 
 
 
 def workload_from_arguments(args: argparse.Namespace) -> list[Request]:
-    """The requests that the flags of `add_workload_arguments` describe."""
+    """The requests that the flags of `add_workload_arguments` describe; lengths not given are
+    each workload's defaults."""
     common = {"vocab_size": args.vocab_size, "seed": args.seed}
-    output_len = args.output_len
+    output = {} if args.output_len is None else {"output_len": args.output_len}
+    prefix = {} if args.prefix_len is None else {"prefix_len": args.prefix_len}
     if args.workload == "shared-prefix":
         requests = shared_prefix(
             args.groups,
             args.prompts_per_group,
-            2048 if args.prefix_len is None else args.prefix_len,
-            args.question_len,
-            256 if output_len is None else output_len,
+            question_len=args.question_len,
             order=args.order,
+            **prefix,
+            **output,
             **common,
         )
     elif args.workload == "multi-turn":
         requests = multi_turn_chat(
-            args.conversations,
-            args.turns,
-            args.system_len,
-            args.user_len,
-            128 if output_len is None else output_len,
-            **common,
+            args.conversations, args.turns, args.system_len, args.user_len, **output, **common
         )
     elif args.workload == "prefix-repetition":
         requests = prefix_repetition(
             args.num_requests,
             args.num_prefixes,
-            1024 if args.prefix_len is None else args.prefix_len,
-            args.suffix_len,
-            128 if output_len is None else output_len,
+            suffix_len=args.suffix_len,
             zipf_exponent=args.zipf,
+            **prefix,
+            **output,
             **common,
         )
     elif args.workload == "hot-prefix-scans":
-        requests = hot_prefix_with_scans(
-            args.rounds,
-            prefix_len=16 if args.prefix_len is None else args.prefix_len,
-            output_len=1 if output_len is None else output_len,
-            **common,
-        )
+        requests = hot_prefix_with_scans(args.rounds, **prefix, **output, **common)
     elif args.workload == "trace":
         if not args.trace:
             raise ValueError("--workload trace needs --trace FILE")

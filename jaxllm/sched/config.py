@@ -11,7 +11,6 @@ class SchedulerConfig:
 
     Attributes:
         num_blocks: KV blocks in the cache (known once the device memory is measured).
-        block_size: tokens per KV block.
         max_num_seqs: the most running sequences, hence the largest decode batch.
         max_num_batched_tokens: the token budget of a prefill step, counted after padding each
             sequence's chunk to whole tiles; a multiple of `prefill_tile`.

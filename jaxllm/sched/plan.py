@@ -65,7 +65,6 @@ class BucketLadder:
         decode_sizes: decode batch sizes B (T = G = S = B): powers of two up to max_num_seqs.
         prefill_sizes: prefill token counts T: prefill_tile * 2**k up to max_num_batched_tokens.
         widths: block-table widths W: powers of two up to the blocks of max_model_len.
-        prefill_tile: tokens per prefill tile.
     """
 
     decode_sizes: tuple[int, ...]
@@ -118,7 +117,6 @@ class StepPlan:
         num_new_tokens: tokens each sequence computes in this step (its chunk).
         samples: whether each row's sampled token is its sequence's next token; False for a
             prefill chunk that stops short of the sequence's end.
-        bucket: the padded shape.
         inputs: the model's inputs (numpy, the bucket's shape). The token of a decode row
             whose value the previous step is still sampling is 0 here: the runner takes it
             from that step's output on the device.
@@ -164,7 +162,7 @@ def plan_step(
     tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
     if kind == "decode":
         bucket = ladder.decode_bucket(len(seqs), tables.shape[1])
-        tile, token_ids = 1, [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
+        token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
     else:
         tile = ladder.prefill_tile
         num_tiles = -(-counts_array // tile)
@@ -173,29 +171,23 @@ def plan_step(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
     inputs, _ = bucket.padding()
-    _fill_tiles(inputs, tables, starts_array, counts_array, token_ids, tile, block_size)
+    rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
+    inputs.token_ids[rows] = token_ids
+    seq_ends = list(zip(seqs, ends.tolist(), strict=True))
     # NOTE: a decode row always samples, also when its token is still on the device.
-    samples = [
-        kind == "decode" or end == seq.num_tokens
-        for seq, end in zip(seqs, ends.tolist(), strict=True)
-    ]
-    steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
+    samples = [kind == "decode" or end == seq.num_tokens for seq, end in seq_ends]
+    steps = [end - seq.num_prompt_tokens for seq, end in seq_ends]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
     return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling)
 
 
 def _fill_tiles(
-    inputs: ModelInputs,
-    tables: np.ndarray,
-    starts: np.ndarray,
-    counts: np.ndarray,
-    token_ids,
-    tile: int,
-    block_size: int,
-) -> None:
+    inputs: ModelInputs, tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+) -> np.ndarray:
     """Lays the chunks out in `inputs` (padding already), each padded at the front to whole
-    tiles, chunk i's real tokens in rows first_rows[i] + padding[i] ... + counts[i] - 1."""
-    num = len(counts)
+    tiles, all but the token ids, whose rows it returns: [N], chunk i's first_rows[i] +
+    padding[i] ... + counts[i] - 1."""
+    num, tile = len(counts), inputs.tile_size
     num_tiles = -(-counts // tile)  # [n]
     padding = num_tiles * tile - counts  # [n] front padding of each chunk
     first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
@@ -207,7 +199,6 @@ def _fill_tiles(
     rows = base + np.repeat(first_rows + padding - chunk_firsts, counts)  # [N]
     block_indices, offsets = np.divmod(token_positions, block_size)  # [N], [N]
     block_indices += np.repeat(np.arange(num) * tables.shape[1], counts)
-    inputs.token_ids[rows] = token_ids
     inputs.positions[rows] = token_positions
     inputs.slot_mapping[rows] = np.take(tables.ravel(), block_indices) * block_size + offsets
 
@@ -220,6 +211,7 @@ def _fill_tiles(
         np.repeat(starts - padding, num_tiles) + (tile_index + 1) * tile
     )
     inputs.sample_indices[:num] = first_rows + num_tiles * tile - 1
+    return rows
 
 
 def _block_table_rows(block_tables: list[list[int]]) -> np.ndarray:

@@ -4,10 +4,9 @@ A step is all prefill (an unfinished prefill first, then waiting requests in arr
 when no prefill fits, one decode token for every running sequence, preempting the newest ones
 when the cache has no block left for the oldest. See docs/structure.md, "Host side".
 
-A step is three calls: `plan = schedule()`, the device runs the plan, `update(plan, token_ids)`
-applies its sampled tokens. The engine plans step N + 1 before it updates step N, so `schedule`
-records what a plan computes (also a token still on the device) and `update` only adds what the
-tokens bring.
+A step is three calls: `plan = schedule()`, the device runs it, `update(plan, token_ids)` applies
+its sampled tokens. The engine plans step N + 1 before it updates step N, so `schedule` records
+what a plan computes (also a token still on the device) and `update` only what the tokens bring.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ class Scheduler:
     pool. Not thread-safe.
 
     Args:
-        config: the scheduler's settings.
         ladder: the step shapes; default `BucketLadder` of `config` (a width per power of two).
         eviction_policy: the block pool's (see `jaxllm.cache.eviction`).
     """
@@ -147,7 +145,8 @@ class Scheduler:
                 # NOTE: unreachable while `new_sequence` refuses what can never fit; fail loudly.
                 raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
             return None
-        kind, seqs, starts, counts = chunks
+        kind, seqs, counts = chunks
+        starts = [seq.num_computed_tokens for seq in seqs]
         plan = plan_step(self.ladder, self.config.block_size, kind, seqs, starts, counts)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
@@ -199,21 +198,18 @@ class Scheduler:
         """Enters the blocks of `seq` that tokens `start` .. `end - 1` complete into the prefix
         cache (their tokens are known; their K/V is computed by a planned step)."""
         size = self.config.block_size
-        if not self.config.enable_prefix_caching or end // size <= start // size:
+        first, last = start // size, end // size
+        if not self.config.enable_prefix_caching or last <= first:
             return
         token_ids = seq.token_ids[:end]
         extend_block_hashes(seq.block_hashes, token_ids, size)
-        self.block_pool.cache_blocks(
-            seq.block_table, token_ids, seq.block_hashes, start // size, end // size
-        )
+        self.block_pool.cache_blocks(seq.block_table, token_ids, seq.block_hashes, first, last)
 
     def _schedule_prefill(self) -> tuple | None:
-        """("prefill", seqs, starts, counts) of the step's prefill chunks, or None."""
+        """("prefill", seqs, counts) of the step's prefill chunks, or None."""
         cfg = self.config
-        tile = cfg.prefill_tile
-        budget = cfg.max_num_batched_tokens
+        tile, budget = cfg.prefill_tile, cfg.max_num_batched_tokens
         seqs: list[Sequence] = []
-        starts: list[int] = []
         counts: list[int] = []
 
         def add_chunk(seq: Sequence) -> None:
@@ -223,7 +219,6 @@ class Scheduler:
             count = remaining if padded <= budget else budget
             budget -= min(padded, budget)
             seqs.append(seq)
-            starts.append(seq.num_computed_tokens)
             counts.append(count)
 
         for seq in self.running:
@@ -238,12 +233,11 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             add_chunk(seq)
-        return ("prefill", seqs, starts, counts) if seqs else None
+        return ("prefill", seqs, counts) if seqs else None
 
     def _admit(self, seq: Sequence) -> bool:
         """Gives `seq` blocks for all its tokens, reusing cached ones; False if they don't fit."""
-        pool = self.block_pool
-        size = self.config.block_size
+        pool, size = self.block_pool, self.config.block_size
         hit: list[int] = []
         if self.config.enable_prefix_caching:
             # NOTE: at least the last token is computed, so the step samples from its logits;
@@ -265,8 +259,8 @@ class Scheduler:
         return True
 
     def _schedule_decode(self) -> tuple | None:
-        """("decode", seqs, starts, ones): one token for every running sequence that has a
-        token left to sample, preempting the newest when blocks run out; or None."""
+        """("decode", seqs, ones): one token for every running sequence that has a token left
+        to sample, preempting the newest when blocks run out; or None."""
         running = self.running
         index = 0
         while index < len(running):
@@ -275,16 +269,11 @@ class Scheduler:
                 index += 1
             else:
                 self._preempt(running.pop())
-        if not running:
-            return None
-        seqs = list(running)
-        return "decode", seqs, [seq.num_computed_tokens for seq in seqs], [1] * len(seqs)
+        return ("decode", list(running), [1] * len(running)) if running else None
 
     def _preempt(self, seq: Sequence) -> None:
-        """Returns a running sequence to the front of the waiting queue, freeing its blocks.
-
-        It keeps its tokens and block hashes, and prefills again (mostly from the prefix cache).
-        """
+        """Returns a running sequence to the front of the waiting queue, freeing its blocks; it
+        keeps its tokens and block hashes, and prefills again (mostly from the prefix cache)."""
         self.block_pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -318,8 +307,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""
-        cfg = self.config
-        pool = self.block_pool
+        cfg, pool = self.config, self.block_pool
         pool.check_integrity(seq.block_table for seq in self.running)
         queues = (self.running, self.waiting, self.sampling_last)
         ids = [seq.seq_id for queue in queues for seq in queue]
@@ -339,8 +327,7 @@ class Scheduler:
             # NOTE: a planned step may compute the token the step before is still sampling.
             longest = max(seq.num_tokens, seq.num_computed_tokens)
             require(
-                -(-seq.num_computed_tokens // size) <= len(seq.block_table)
-                and len(seq.block_table) <= -(-longest // size),
+                -(-seq.num_computed_tokens // size) <= len(seq.block_table) <= -(-longest // size),
                 f"{seq}: block table does not match its tokens",
             )
             require(
