@@ -6,29 +6,6 @@ import argparse
 import sys
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model path, Hub id or random:<shape>")
-    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument(
-        "--compile-at-startup",
-        action="store_true",
-        help="compile every bucket of the ladder first (default: only the buckets these "
-        "prompts need, as they come: far quicker for a few prompts)",
-    )
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
-    for name in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    return kwargs
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxllm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,7 +13,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_text in (("generate", "complete prompts"), ("chat", "chat with the model")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("prompts", nargs="*", help="prompts (chat: one user message each)")
-        _add_engine_args(sub)
+        sub.add_argument("--model", default=None, help="model path, Hub id or random:<shape>")
+        sub.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+        sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+        sub.add_argument("--max-model-len", type=int, default=None)
+        sub.add_argument("--max-num-seqs", type=int, default=None)
+        sub.add_argument("--max-num-batched-tokens", type=int, default=None)
+        sub.add_argument(
+            "--compile-at-startup",
+            action="store_true",
+            help="compile every bucket of the ladder first (default: only the buckets these "
+            "prompts need, as they come: far quicker for a few prompts)",
+        )
         sub.add_argument("--temperature", type=float, default=0.6)
         sub.add_argument("--top-p", type=float, default=0.95)
         sub.add_argument("--max-tokens", type=int, default=64)
@@ -55,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.llm import LLM
     from jaxllm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
+    for setting in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, setting) is not None:
+            kwargs[setting] = getattr(args, setting)
+    llm = LLM(args.model, **kwargs)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -167,7 +167,7 @@ class LLM:
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
         """
-        requests = self._requests([prompt] if isinstance(prompt, str) else prompt, sampling_params)
+        requests = self._requests(prompt, sampling_params)
         if len(requests) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(requests)}")
         return self._stream(requests[0])
@@ -205,10 +205,9 @@ class LLM:
 
     def _step(self) -> list[int]:
         """Runs one engine step; files its finished outputs under `_finished`, returns their ids."""
-        finished = self.engine.step()
-        for output in finished:
-            self._finished[output.request_id] = output
-        return [output.request_id for output in finished]
+        finished = {output.request_id: output for output in self.engine.step()}
+        self._finished.update(finished)
+        return list(finished)
 
     def _requests(
         self,
@@ -230,29 +229,27 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if prompts and all(_is_token_id(t) for t in prompts):
             prompts = [prompts]
-        texts, token_lists = [], []
+        token_lists = []
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                texts.append(prompt)
                 token_lists.append(self.tokenizer.encode(prompt, add_special_tokens=False))
             elif isinstance(prompt, Sequence | Iterator) or hasattr(prompt, "tolist"):
                 tokens = list(prompt)
                 if not all(_is_token_id(t) for t in tokens):
                     raise ValueError(f"prompt {index}: token ids must be integers")
-                texts.append(None)
                 token_lists.append([int(t) for t in tokens])
             else:
                 raise ValueError(
                     f"prompt {index}: expected a string or a list of token ids, got "
                     f"{type(prompt).__name__}"
                 )
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
         return texts, token_lists
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * count
         else:
@@ -296,9 +293,8 @@ class LLM:
                 if len(outputs) < len(ids) and not engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
-            for request_id in ids:
-                if request_id not in outputs:
-                    engine.abort(request_id)
+            for request_id in ids:  # a no-op for those already finished
+                engine.abort(request_id)
             raise
         finally:
             bar.close()

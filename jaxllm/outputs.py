@@ -16,15 +16,11 @@ class RequestMetrics:
 
     @property
     def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def total_time(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
 @dataclass

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxllm.model.attention import Kernels
@@ -138,19 +138,16 @@ def step_scratch_bytes(
     Measured by compiling the step over a one-block cache: XLA's own account of the step's
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
+
+    def on_mesh(x: Any, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
     forward = jax.jit(
         sharded_forward(config, mesh, kernels), donate_argnums=1, compiler_options=COMPILER_OPTIONS
     )
     cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
-    cache = jax.tree.map(
-        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-        cache,
-        kv_cache_specs(),
-    )
-    inputs, _ = bucket.padding()
-    inputs = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)), inputs
-    )
+    cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
+    inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
     with partitioner_for(mesh, kernels.custom_calls):
         compiled = forward.lower(params, cache, inputs).compile()
     analysis = compiled.memory_analysis()
@@ -233,9 +230,6 @@ class ModelRunner:
             - set(self._sample_executables)
         )
         buckets = [bucket for bucket in buckets if bucket not in self._forward_executables]
-        cache = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_cache
-        )
         total, disable = len(buckets) + len(samplers), not use_tqdm or not buckets
         with tqdm(total=total, desc="Compiling buckets", disable=disable) as bar:
             sampler_programs = {}
@@ -246,9 +240,6 @@ class ModelRunner:
                 sampling = _shapes(SamplingInputs.padding(num_rows), self._replicated)
                 sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
             self._sample_executables |= _compile_all(sampler_programs, bar)
-            previous = jax.ShapeDtypeStruct(
-                (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
-            )
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
                 forward_programs = {}
@@ -257,10 +248,10 @@ class ModelRunner:
                     rows = np.zeros(bucket.num_tokens, np.int32)
                     packed = _shapes((*inputs, rows), self._replicated)
                     forward_programs[bucket] = self._forward.lower(
-                        self.params, cache, packed, previous, bucket=bucket
+                        self.params, self.kv_cache, packed, self._no_tokens, bucket=bucket
                     )
                 self._forward_executables |= _compile_all(forward_programs, bar)
-        self.num_compiled += len(buckets) + len(samplers)
+        self.num_compiled += total
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.

@@ -113,8 +113,8 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     with phase("load weights"):
         dtype = config.dtype or platform.dtype
         model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
-    kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
-    kernels = platform.kernels(config.kvcache_block_size, kv_heads)
+    block_size = config.kvcache_block_size
+    kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     is_random = path.startswith(RANDOM_PREFIX)
     with phase("load the tokenizer"):
         tokenizer = load_tokenizer(None if is_random else path)
@@ -125,7 +125,6 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     else:
         eos = eos_token_ids(tokenizer, path)
     tile = platform.prefill_tile
-    block_size = config.kvcache_block_size
     settings = SchedulerConfig(
         num_blocks=1,  # settled below, once the ladder tells the largest step
         block_size=block_size,

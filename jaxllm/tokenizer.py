@@ -12,6 +12,7 @@ cached on disk (see `cache_dir`); loading the cached file takes a fraction of a 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -79,10 +80,8 @@ def qwen3_tokenizer() -> PreTrainedTokenizerFast:
     cached = cache_dir() / "tokenizer.json"
     tokenizer = None
     if cached.is_file():
-        try:
+        with contextlib.suppress(Exception):  # a corrupt or foreign file: rebuild it
             tokenizer = Tokenizer.from_file(str(cached))
-        except Exception:  # a corrupt or foreign file: rebuild it
-            tokenizer = None
     if tokenizer is None or tokenizer.get_vocab_size() != NUM_BPE_TOKENS + len(ADDED_TOKENS):
         tokenizer = _build_tokenizer()
         _save_atomically(tokenizer, cached)
@@ -209,7 +208,7 @@ def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes
 
 def _save_atomically(tokenizer, path: Path) -> None:
     """Writes tokenizer.json through a temporary file; a read-only cache is not an error."""
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json")
         os.close(fd)
@@ -218,7 +217,4 @@ def _save_atomically(tokenizer, path: Path) -> None:
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    except OSError:
-        pass
+            Path(tmp).unlink(missing_ok=True)

@@ -238,15 +238,13 @@ class BlockPool:
         self._num_hit_tokens += num_hit_tokens
 
     def stats(self) -> CacheStats:
-        num_cached_free = len(self.policy)
-        num_empty = len(self._empty)
         return CacheStats(
             num_queried_tokens=self._num_queried_tokens,
             num_hit_tokens=self._num_hit_tokens,
             num_evictions=self._num_evictions,
-            num_used_blocks=self.num_blocks - num_cached_free - num_empty,
-            num_cached_free_blocks=num_cached_free,
-            num_empty_blocks=num_empty,
+            num_used_blocks=self.num_blocks - self.num_free_blocks,
+            num_cached_free_blocks=len(self.policy),
+            num_empty_blocks=len(self._empty),
         )
 
     def _take_fresh(self, count: int) -> list[int]:

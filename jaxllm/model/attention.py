@@ -93,8 +93,7 @@ def reference_attention(
     scores = scores * (head_dim**-0.5)
     query_positions = inputs.context_lens[:, None] - tile_size + jnp.arange(tile_size)  # [G, R]
     key_positions = jnp.arange(context)  # [P]
-    visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [G, R, P]
-    visible = visible[:, None, None]  # [G, 1, 1, R, P]
+    visible = (key_positions <= query_positions[:, :, None])[:, None, None]  # [G, 1, 1, R, P]
     # NOTE: a finite fill keeps rows with no visible key (front padding) free of NaN; they are
     # zeroed below.
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)

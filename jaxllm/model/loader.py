@@ -211,11 +211,9 @@ def load_hf_checkpoint(
     shapes = abstract_params(config)
     shardings = param_shardings(config, mesh or make_mesh(1))
     expected = _expected_tensors(config, shapes)
-    target_dtype = np.dtype(config.jnp_dtype)
 
     with contextlib.ExitStack() as stack:
-        handles = {}
-        problems = []
+        handles, problems = {}, []
         for file in safetensors_files(path):
             handle = stack.enter_context(safe_open(file, framework="numpy"))
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
@@ -246,7 +244,7 @@ def load_hf_checkpoint(
                 sharding = _get(shardings, param_path)
                 blocks = []
                 for device, index in sharding.addressable_devices_indices_map(shape).items():
-                    host = np.empty(_block_shape(shape, index), target_dtype)
+                    host = np.empty(_block_shape(shape, index), config.jnp_dtype)
                     for name in names:
                         tensor = handles[name].get_slice(name)
                         _read_into(host, tensor, expected[name], shape, index)

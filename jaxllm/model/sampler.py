@@ -158,8 +158,7 @@ def _top_k_top_p_threshold(
     # NOTE: otherwise a threshold above the bound means that every token kept is a candidate and
     # the top-k mass is complete: the candidates gave the exact answer.
     small_k = (top_k >= 1) & (top_k <= num_blocks)
-    exact = small_k | ((threshold > bound) & ((top_k == 0) | (k_threshold > bound)))
-    exact = ~filtered | exact
+    exact = ~filtered | small_k | ((threshold > bound) & ((top_k == 0) | (k_threshold > bound)))
 
     def sort_rows() -> jax.Array:
         descending = jnp.sort(scaled, axis=-1, descending=True)  # [S, V]

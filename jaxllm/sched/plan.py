@@ -41,13 +41,11 @@ class Bucket(NamedTuple):
 
 def _ladder(smallest: int, largest: int) -> tuple[int, ...]:
     """smallest * 2**k up to largest, and largest itself."""
-    rungs = []
-    rung = smallest
+    rungs, rung = [], smallest
     while rung < largest:
         rungs.append(rung)
         rung *= 2
-    rungs.append(largest)
-    return tuple(rungs)
+    return (*rungs, largest)
 
 
 def _round_up(rungs: tuple[int, ...], value: int, what: str) -> int:
@@ -192,9 +190,8 @@ def _fill_tiles(
     padding = num_tiles * tile - counts  # [n] front padding of each chunk
     first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
 
-    total = int(counts.sum())
     chunk_firsts = np.cumsum(counts) - counts  # [n] offsets in the concatenated chunks
-    base = np.arange(total, dtype=np.int64)  # [N]
+    base = np.arange(int(counts.sum()), dtype=np.int64)  # [N]
     token_positions = base + np.repeat(starts - chunk_firsts, counts)  # [N]
     rows = base + np.repeat(first_rows + padding - chunk_firsts, counts)  # [N]
     block_indices, offsets = np.divmod(token_positions, block_size)  # [N], [N]
@@ -219,8 +216,6 @@ def _block_table_rows(block_tables: list[list[int]]) -> np.ndarray:
     lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     total = int(lengths.sum())
     flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
-    rows = np.repeat(np.arange(len(block_tables)), lengths)
-    cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
-    tables[rows, cols] = flat
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat  # filled in row order
     return tables

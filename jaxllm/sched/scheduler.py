@@ -243,9 +243,8 @@ class Scheduler:
             # NOTE: at least the last token is computed, so the step samples from its logits;
             # the hit stops at a block boundary so no write ever lands in a shared block.
             max_blocks = (seq.num_tokens - 1) // size
-            token_ids = seq.token_ids
-            extend_block_hashes(seq.block_hashes, token_ids[: max_blocks * size], size)
-            hit = pool.find_cached_prefix(token_ids, seq.block_hashes, max_blocks)
+            extend_block_hashes(seq.block_hashes, seq.token_ids[: max_blocks * size], size)
+            hit = pool.find_cached_prefix(seq.token_ids, seq.block_hashes, max_blocks)
         table = pool.allocate(hit, -(-seq.num_tokens // size) - len(hit))
         if table is None:
             return False
