@@ -333,34 +333,22 @@ def workload_from_arguments(args: argparse.Namespace) -> list[Request]:
     """The requests that the flags of `add_workload_arguments` describe; lengths not given are
     each workload's defaults."""
     common = {"vocab_size": args.vocab_size, "seed": args.seed}
-    output = {} if args.output_len is None else {"output_len": args.output_len}
-    prefix = {} if args.prefix_len is None else {"prefix_len": args.prefix_len}
+    generated = common if args.output_len is None else {**common, "output_len": args.output_len}
+    prefixed = (
+        generated if args.prefix_len is None else {**generated, "prefix_len": args.prefix_len}
+    )
     if args.workload == "shared-prefix":
-        requests = shared_prefix(
-            args.groups,
-            args.prompts_per_group,
-            question_len=args.question_len,
-            order=args.order,
-            **prefix,
-            **output,
-            **common,
-        )
+        options = {"question_len": args.question_len, "order": args.order}
+        requests = shared_prefix(args.groups, args.prompts_per_group, **options, **prefixed)
     elif args.workload == "multi-turn":
         requests = multi_turn_chat(
-            args.conversations, args.turns, args.system_len, args.user_len, **output, **common
+            args.conversations, args.turns, args.system_len, args.user_len, **generated
         )
     elif args.workload == "prefix-repetition":
-        requests = prefix_repetition(
-            args.num_requests,
-            args.num_prefixes,
-            suffix_len=args.suffix_len,
-            zipf_exponent=args.zipf,
-            **prefix,
-            **output,
-            **common,
-        )
+        options = {"suffix_len": args.suffix_len, "zipf_exponent": args.zipf}
+        requests = prefix_repetition(args.num_requests, args.num_prefixes, **options, **prefixed)
     elif args.workload == "hot-prefix-scans":
-        requests = hot_prefix_with_scans(args.rounds, **prefix, **output, **common)
+        requests = hot_prefix_with_scans(args.rounds, **prefixed)
     elif args.workload == "trace":
         if not args.trace:
             raise ValueError("--workload trace needs --trace FILE")
