@@ -1,30 +1,113 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
 Every loader takes the "tp" mesh (`sharding.make_mesh`; default: the first device alone) and puts
-on each device only its blocks.
+on each device only its blocks. `load_params` first checks that the params fit in the memory
+available (`check_params_fit`), from the config alone, before anything is allocated.
+
+A checkpoint is written into a temporary sibling directory and renamed into place
+(`atomic_directory`), with a manifest of every param's shape, dtype and checksum that loading
+verifies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
+import xxhash
 from jax.sharding import Mesh
 
-from jaxllm.model.config import PRESETS, Qwen3Config
+from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes
 from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import Params, abstract_params, init_params, param_shardings
-from jaxllm.model.sharding import make_mesh
+from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
 CONFIG_FILE = "jaxllm_config.json"
+MANIFEST_FILE = "jaxllm_manifest.json"
 PARAMS_DIR = "params"
 RANDOM_PREFIX = "random:"
+MEMINFO = Path("/proc/meminfo")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a fresh temporary directory beside `path` to write into; on success its entries
+    become `path`'s, and on any exception (KeyboardInterrupt too) it is removed, `path` untouched.
+
+    A missing or empty `path` is replaced by the temporary directory in one rename. With
+    `overwrite`, a non-empty `path` keeps every entry but those of the same names as the written
+    ones, which are replaced.
+
+    Raises:
+        ValueError: at once, before anything is written: `path` is not a directory, or is a
+            non-empty one and `overwrite` is false.
+    """
+    path = Path(path).expanduser().resolve()
+    _check_writable(path, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: a sibling, so that renaming it is atomic; made by mkdir, so it has the umask's mode.
+    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    try:
+        yield staging
+        _check_writable(path, overwrite)  # again: something may have been written meanwhile
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        if not path.exists():
+            staging.rename(path)
+        else:
+            _move_entries(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_writable(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cannot save to {path}: it exists and is not a directory")
+    if path.is_dir() and not overwrite and any(path.iterdir()):
+        raise ValueError(
+            f"cannot save to {path}: the directory is not empty (pass overwrite=True to replace "
+            "the entries of the same names and keep the others)"
+        )
+
+
+def _move_entries(source: Path, target: Path) -> None:
+    """Moves each entry of `source` into `target`, replacing one of the same name; on any
+    exception puts back what it moved, so that `target` is as it was."""
+    replaced = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+    replaced.mkdir()
+    names = sorted(entry.name for entry in source.iterdir())
+    try:
+        for name in names:
+            if (target / name).exists() or (target / name).is_symlink():
+                (target / name).rename(replaced / name)
+            (source / name).rename(target / name)
+    except BaseException:
+        for name in names:
+            if not ((source / name).exists() or (source / name).is_symlink()):
+                (target / name).rename(source / name)
+        for old in replaced.iterdir():
+            old.rename(target / old.name)
+        replaced.rmdir()  # NOTE: not removed if anything is left in it: the user's entries
+        raise
+    shutil.rmtree(replaced)
 
 
 def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
-    """Writes `params` as an orbax checkpoint under `path/params` and the config beside it."""
+    """Writes `params` as an orbax checkpoint under `path/params`, the config beside it and a
+    manifest of every leaf's shape, dtype and checksum (xxh3_64 of its bytes).
+
+    NOTE: a leaf spread over several processes gets no checksum (its bytes are not all here).
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -33,24 +116,131 @@ def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
     checkpointer.save(path / PARAMS_DIR, params)
     checkpointer.wait_until_finished()
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    leaves = {name: _describe(leaf, checksum=True) for name, leaf in _named_leaves(params)}
+    manifest = {"checksum": "xxh3_64", "leaves": leaves}
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _named_leaves(tree: Params) -> list[tuple[str, Any]]:
+    """(path "a/b/c", leaf) for each leaf of `tree`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(keys, simple=True, separator="/"), leaf) for keys, leaf in flat]
+
+
+def _describe(leaf: Any, checksum: bool) -> dict[str, Any]:
+    """A leaf's manifest record: shape, dtype and, if asked and its bytes are here, checksum."""
+    record = {"shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+    if checksum:
+        local = getattr(leaf, "is_fully_addressable", True)
+        record["xxh3_64"] = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(leaf)) if local else None
+    return record
+
+
+def _verify(path: Path, manifest: dict[str, Any], tree: Params, checksum: bool) -> None:
+    """Raises a CheckpointError naming every leaf of `tree` whose shape, dtype or (if asked)
+    checksum differs from the manifest's, and every leaf that only one of them has."""
+    saved = manifest["leaves"]
+    found = {name: _describe(leaf, checksum) for name, leaf in _named_leaves(tree)}
+    problems = [f"{name}: in the manifest, not in the model" for name in saved.keys() - found]
+    problems += [f"{name}: in the model, not in the manifest" for name in found.keys() - saved]
+    for name in sorted(found.keys() & saved.keys()):
+        for field, value in found[name].items():
+            expected = saved[name].get(field)
+            if value is not None and expected is not None and value != expected:
+                problems.append(f"{name}: {field} {value}, saved as {expected}")
+    if problems:
+        raise CheckpointError(
+            f"orbax checkpoint {path} does not match its manifest ({MANIFEST_FILE}):\n  "
+            + "\n  ".join(sorted(problems))
+        )
+
+
+def _saved_config(path: Path) -> Qwen3Config:
+    return Qwen3Config(**json.loads((path / CONFIG_FILE).read_text()))
 
 
 def load_orbax_checkpoint(
     path: str | Path, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
     """Reads a directory written by `save_params` (with any mesh) onto the devices of `mesh`,
-    the params cast to `dtype` (a dtype name; default: the saved config's)."""
+    the params cast to `dtype` (a dtype name; default: the saved config's).
+
+    The params are checked against the manifest: shapes and dtypes before they are read,
+    checksums after (each leaf copied to the host in turn). A checkpoint without a manifest
+    (saved by an older jaxllm) loads unverified.
+
+    Raises:
+        CheckpointError: naming every leaf whose shape, dtype or checksum is not the manifest's.
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    config = Qwen3Config(**json.loads((path / CONFIG_FILE).read_text()))
-    config = config.replace(dtype=dtype or config.dtype)
+    saved = _saved_config(path)
+    manifest_file = path / MANIFEST_FILE
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
     target = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        abstract_params(config),
-        param_shardings(config, mesh or make_mesh(1)),
+        abstract_params(saved),
+        param_shardings(saved, mesh or make_mesh(1)),
     )
-    return config, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    if manifest is not None:
+        _verify(path, manifest, target, checksum=False)
+    # NOTE: read in the saved dtype, so that the checksums are of the saved bytes.
+    params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    if manifest is not None:
+        _verify(path, manifest, params, checksum=True)
+    config = saved.replace(dtype=dtype or saved.dtype)
+    if config.dtype != saved.dtype:
+        leaves, treedef = jax.tree.flatten(params)
+        del params
+        for i, leaf in enumerate(leaves):  # NOTE: one leaf at a time beside the saved params
+            leaves[i] = leaf.astype(config.jnp_dtype)
+            leaf.delete()
+        params = jax.tree.unflatten(treedef, leaves)
+    return config, params
+
+
+def available_memory_bytes(device: jax.Device | None = None) -> int:
+    """Bytes free for new arrays on `device` (default: the first): its `memory_stats()` limit
+    less what is in use, or for a device without them (a CPU) the host's available memory."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    with contextlib.suppress(OSError, ValueError):
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # "MemAvailable:  123456 kB"
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(what: str, bytes_per_device: int, mesh: Mesh) -> None:
+    """Raises a ValueError naming `what` if `bytes_per_device` on each device of `mesh` in this
+    process is more than is available there (devices without memory stats, CPUs, share the
+    host's memory); for before allocating."""
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if "bytes_limit" in (devices[0].memory_stats() or {}):
+        needed, available = bytes_per_device, min(available_memory_bytes(d) for d in devices)
+        where = f"per device ({devices[0].device_kind})"
+    else:
+        needed, available = bytes_per_device * len(devices), available_memory_bytes(devices[0])
+        where = "in host memory"
+    if needed > available:
+        raise ValueError(
+            f"{what} take {needed / 1e9:.2f} GB {where}, more than the "
+            f"{available / 1e9:.2f} GB available"
+        )
+
+
+def check_params_fit(config: Qwen3Config, mesh: Mesh) -> None:
+    """`check_fits` for the params of `config` sharded over `mesh`; a ValueError too if the
+    mesh does not divide the model."""
+    tp = tensor_parallel_size(mesh)
+    check_tensor_parallel(config, tp)
+    what = (
+        f"the params ({config.num_layers} layers of hidden size {config.hidden_size}, "
+        f"{config.dtype})"
+    )
+    check_fits(what, param_bytes(config, tp), mesh)
 
 
 def load_params(
@@ -66,20 +256,29 @@ def load_params(
         seed: the random preset's seed.
 
     Raises:
-        ValueError: an unknown preset or unsupported model, or a mesh that does not divide the
-            model (checked before any weight is read).
+        ValueError: an unknown preset or unsupported model, a mesh that does not divide the
+            model, or params that do not fit in the memory available (checked before any weight
+            is read or made).
         CheckpointError: a directory that is not a checkpoint or does not match its config.
     """
+    mesh = mesh or make_mesh(1)
     if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
         name = path_or_preset.removeprefix(RANDOM_PREFIX)
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         config = PRESETS[name].replace(dtype=dtype or PRESETS[name].dtype)
-        return config, init_params(config, seed, mesh or make_mesh(1))
+        check_params_fit(config, mesh)
+        return config, init_params(config, seed, mesh)
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
+        saved = _saved_config(path)
+        # NOTE: read in the saved dtype, then cast: the wider of the two bounds the memory.
+        wanted = saved.replace(dtype=dtype or saved.dtype)
+        check_params_fit(max(saved, wanted, key=lambda c: c.jnp_dtype.itemsize), mesh)
         return load_orbax_checkpoint(path, dtype, mesh)
     if (path / "config.json").exists():
+        config = Qwen3Config.from_hf(path)
+        check_params_fit(config.replace(dtype=dtype or config.dtype), mesh)
         return load_hf_checkpoint(path, dtype, mesh=mesh)
     raise CheckpointError(
         f"{path} is neither a Hugging Face checkpoint (config.json), an orbax checkpoint "

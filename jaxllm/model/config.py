@@ -1,9 +1,11 @@
-"""The Qwen3 model's shape and numerics: a frozen, hashable config (a static jit argument)."""
+"""The Qwen3 model's shape and numerics: a frozen, hashable config (a static jit argument) whose
+fields are checked when it is made, and the bytes its params take (`param_bytes`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,18 @@ import jax.numpy as jnp
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# The least value of each size. NOTE: num_layers may be 0: the params outside the layers are
+# built from such a config (`qwen3.py`).
+SIZE_MINIMUMS = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "num_layers": 0,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "max_position_embeddings": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -38,14 +52,24 @@ class Qwen3Config:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        """Raises a ValueError naming the first field out of its range."""
+        for name, least in SIZE_MINIMUMS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"Qwen3Config.{name} must be an integer >= {least}, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            is_number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (is_number and math.isfinite(value) and value > 0):
+                raise ValueError(f"Qwen3Config.{name} must be a finite number > 0, got {value!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
-                f"unsupported dtype {self.dtype!r}; expected one of {SUPPORTED_DTYPES}"
+                f"Qwen3Config.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
+                f"Qwen3Config.num_heads must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}), got {self.num_heads}"
             )
 
     @property
@@ -97,13 +121,27 @@ class Qwen3Config:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            # NOTE: no division by an invalid num_heads: __post_init__ names it.
+            head_dim=hf.get("head_dim") or (hf["hidden_size"] // num_heads if num_heads else 0),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 40_960),
             dtype=hf.get("torch_dtype") or hf.get("dtype") or "float32",
         )
+
+
+def param_bytes(config: Qwen3Config, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one device's blocks of the params (the tree of `qwen3.py`) sharded over
+    `tensor_parallel_size` devices; computed from the config alone, in constant time."""
+    c, split = config, lambda size: -(-size // tensor_parallel_size)
+    d, h, g = c.hidden_size, c.head_dim, c.num_heads // c.num_kv_heads
+    embeddings = (1 if c.tie_word_embeddings else 2) * split(c.vocab_size) * d
+    # qkv_proj [D, K, G + 2, H], o_proj [N, H, D], q_norm and k_norm [H]
+    attention = d * split(c.num_kv_heads) * (g + 2) * h + split(c.num_heads) * h * d + 2 * h
+    mlp = 3 * d * split(c.intermediate_size)  # gate_up_proj [D, 2, F], down_proj [F, D]
+    layer = attention + mlp + 2 * d  # and attn_norm, mlp_norm [D]
+    return (embeddings + c.num_layers * layer + d) * c.jnp_dtype.itemsize
 
 
 def _preset(layers: int, hidden: int, heads: int, ffn: int, tied: bool, **more: Any) -> Qwen3Config:

@@ -1,8 +1,8 @@
 """Loads a Hugging Face Qwen3 checkpoint (config.json + safetensors shards) into the param tree.
 
 One table, `hf_weights`, maps every Hugging Face tensor name to a param path, a layout and, for
-fused weights, the part of the param it fills; names and shapes are checked against it before
-any data is read.
+fused weights, the part of the param it fills; names, shapes and dtypes are checked against it,
+and the index's file names against the directory, before any data is read.
 
 Each param is built device by device: that device's block is read (`safe_open(...).get_slice`,
 memory-mapped: only its rows or columns) into a host buffer and sent to the device before the
@@ -32,6 +32,8 @@ from jaxllm.model.qwen3 import Params, abstract_params, param_shardings
 from jaxllm.model.sharding import make_mesh
 
 INDEX_FILE = "model.safetensors.index.json"
+# The safetensors dtypes a weight may have: float32, bfloat16, float16.
+FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 class CheckpointError(ValueError):
@@ -153,15 +155,37 @@ class _Tensor:
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The shard files of a checkpoint directory (from the index when there is one)."""
+    """The shard files of a checkpoint directory (from the index when there is one).
+
+    Raises:
+        CheckpointError: naming each index entry that is outside the directory or no file.
+    """
     index = path / INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {path}")
-    return files
+    if not index.exists():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {path}")
+        return files
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    root, problems = path.resolve(), []
+    for name in names:
+        file = path / name
+        if not _within(root, file):
+            problems.append(f"{INDEX_FILE} names {name!r}, outside {path}")
+        elif not file.is_file():
+            problems.append(f"{INDEX_FILE} names {name!r}, which is not a file in {path}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path}:\n  " + "\n  ".join(problems))
+    return [path / name for name in names]
+
+
+def _within(root: Path, file: Path) -> bool:
+    """Whether `file` is in the directory `root` once `..` and the links on its way are resolved.
+
+    NOTE: the file itself may link elsewhere: the Hugging Face cache links each file of a
+    snapshot to its blob.
+    """
+    return file.name != ".." and (file.parent.resolve() / file.name).is_relative_to(root)
 
 
 def _get(tree: dict[str, Any], param_path: tuple[str, ...]) -> Any:
@@ -202,7 +226,8 @@ def load_hf_checkpoint(
         progress: show a tqdm bar over the tensors.
 
     Raises:
-        CheckpointError: naming every missing, unmapped, duplicated or mis-shaped tensor.
+        CheckpointError: naming every missing, unmapped, duplicated, mis-shaped or non-float
+            tensor, and every index entry outside the directory or missing.
         ValueError: the config.json describes an unsupported model, or one the mesh can't split.
     """
     path = Path(path)
@@ -226,9 +251,13 @@ def load_hf_checkpoint(
                 problems.append(f"unmapped tensor {name}")
         for name, tensor in expected.items():
             if name in handles:
-                shape = tuple(handles[name].get_slice(name).get_shape())
+                hf_slice = handles[name].get_slice(name)
+                shape, dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
                 if shape != tensor.hf_shape:
                     problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
+                if dtype not in FLOAT_DTYPES:
+                    allowed = ", ".join(FLOAT_DTYPES)
+                    problems.append(f"tensor {name} has dtype {dtype}, expected one of {allowed}")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)

@@ -1,14 +1,19 @@
-"""Qwen3Config: reading HF config.json, presets and their published parameter counts."""
+"""Qwen3Config: reading HF config.json, field checks, presets and their published parameter
+counts, and the params' bytes per device."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import time
 
 import jax
 import pytest
 
-from jaxllm.model.config import PRESETS, Qwen3Config
-from jaxllm.model.qwen3 import abstract_params, param_count
+from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes
+from jaxllm.model.qwen3 import abstract_params, param_count, param_shardings
+from jaxllm.model.sharding import make_mesh
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -111,3 +116,66 @@ def test_tiny_preset_is_cpu_sized_with_the_real_vocabulary():
     config = PRESETS["qwen3-tiny"]
     assert config.vocab_size == 151_936 and config.tie_word_embeddings
     assert param_count(config, non_embedding=True) < 10e6
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rope_theta": 0.0}, "Qwen3Config.rope_theta must be a finite number > 0, got 0.0"),
+        ({"rope_theta": math.inf}, "Qwen3Config.rope_theta must be a finite number > 0, got inf"),
+        ({"rope_theta": math.nan}, "Qwen3Config.rope_theta must be a finite number > 0, got nan"),
+        ({"rms_norm_eps": -1e-6}, "Qwen3Config.rms_norm_eps must be a finite number > 0, got"),
+        ({"vocab_size": 0}, "Qwen3Config.vocab_size must be an integer >= 1, got 0"),
+        ({"hidden_size": -64}, "Qwen3Config.hidden_size must be an integer >= 1, got -64"),
+        ({"intermediate_size": 7.5}, "Qwen3Config.intermediate_size must be an integer >= 1"),
+        ({"num_layers": -1}, "Qwen3Config.num_layers must be an integer >= 0, got -1"),
+        ({"num_heads": 0}, "Qwen3Config.num_heads must be an integer >= 1, got 0"),
+        ({"num_kv_heads": 0}, "Qwen3Config.num_kv_heads must be an integer >= 1, got 0"),
+        ({"head_dim": True}, "Qwen3Config.head_dim must be an integer >= 1, got True"),
+        ({"max_position_embeddings": "4096"}, "Qwen3Config.max_position_embeddings must be"),
+        ({"num_heads": 6, "num_kv_heads": 4}, "num_heads must be a multiple of num_kv_heads (4)"),
+        ({"dtype": "int8"}, "Qwen3Config.dtype must be one of"),
+    ],
+)
+def test_fields_out_of_range_are_named_with_their_value(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PRESETS["qwen3-tiny"].replace(**changes)
+
+
+def test_from_hf_checks_the_fields_it_reads():
+    with pytest.raises(ValueError, match=r"Qwen3Config\.rope_theta .* got -1\.0"):
+        Qwen3Config.from_hf(HF_CONFIG | {"rope_theta": -1})
+    without_head_dim = {k: v for k, v in HF_CONFIG.items() if k != "head_dim"}
+    with pytest.raises(ValueError, match=r"Qwen3Config\.num_heads must be an integer >= 1, got 0"):
+        Qwen3Config.from_hf(without_head_dim | {"num_attention_heads": 0})
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2, 4])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_param_bytes_is_one_devices_share_of_the_param_tree(tensor_parallel_size, tied, dtype):
+    config = PRESETS["qwen3-tiny"].replace(
+        num_layers=3, vocab_size=1024, num_kv_heads=4, tie_word_embeddings=tied, dtype=dtype
+    )
+    shardings = param_shardings(config, make_mesh(tensor_parallel_size))
+    per_device = jax.tree.map(
+        lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize,
+        abstract_params(config),
+        shardings,
+    )
+
+    assert param_bytes(config, tensor_parallel_size) == sum(jax.tree.leaves(per_device))
+
+
+def test_param_bytes_of_a_million_layers_takes_no_time():
+    config = PRESETS["qwen3-0.6b"]
+    start = time.perf_counter()
+    huge = param_bytes(config.replace(num_layers=10**6))
+    elapsed = time.perf_counter() - start
+
+    one_layer = param_bytes(config.replace(num_layers=1)) - param_bytes(
+        config.replace(num_layers=0)
+    )
+    assert one_layer > 0
+    assert huge == param_bytes(config.replace(num_layers=0)) + 10**6 * one_layer
+    assert elapsed < 0.05  # a closed form: no loop over the layers

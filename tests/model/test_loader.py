@@ -1,18 +1,23 @@
-"""Loading Hugging Face checkpoints: the table, its checks and their error messages."""
+"""Loading Hugging Face checkpoints: the table, its checks (names, shapes, dtypes, index files,
+size) and their error messages."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from support.hf import HFModel, random_qwen3
 
+from jaxllm.model import checkpoint as checkpoint_module
+from jaxllm.model import loader
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.loader import INDEX_FILE, CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import abstract_params
@@ -129,3 +134,74 @@ def test_dtype_conversion_both_ways(checkpoint):
 
     assert config32.dtype == "float32"
     np.testing.assert_array_equal(params32["embed"], np.asarray(params["embed"], np.float32))
+
+
+def test_integer_and_bool_tensors_are_named_before_any_data_is_read(checkpoint, monkeypatch):
+    def to_integers(tensors):
+        name = "model.layers.0.self_attn.q_norm.weight"
+        tensors[name] = tensors[name].astype(np.int32)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] > 0
+
+    rewrite(checkpoint, to_integers)
+    monkeypatch.setattr(loader, "_read_into", lambda *_: pytest.fail("data was read"))
+
+    with pytest.raises(CheckpointError) as error:
+        load_hf_checkpoint(checkpoint)
+    message = str(error.value)
+    assert "model.layers.0.self_attn.q_norm.weight has dtype I32, expected one of F32" in message
+    assert "model.norm.weight has dtype BOOL, expected one of F32, BF16, F16" in message
+    assert message.count("has dtype") == 2
+
+
+def write_index(path: Path, files: dict[str, str]) -> None:
+    """An index mapping every tensor to model.safetensors but `files`' (tensor -> file name)."""
+    with safe_open(path / "model.safetensors", framework="numpy") as handle:
+        weight_map = dict.fromkeys(handle.keys(), "model.safetensors") | files
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_index_names_outside_the_directory_or_missing_are_refused(checkpoint, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(checkpoint / "model.safetensors", outside / "shard.safetensors")
+    (checkpoint / "linked").symlink_to(outside, target_is_directory=True)
+    names = {
+        "model.norm.weight": "../outside/shard.safetensors",
+        "model.embed_tokens.weight": str(outside / "shard.safetensors"),
+        "model.layers.0.input_layernorm.weight": "linked/shard.safetensors",
+        "model.layers.1.input_layernorm.weight": "missing.safetensors",
+    }
+    write_index(checkpoint, names)
+
+    with pytest.raises(CheckpointError) as error:
+        load_params(checkpoint)
+    problems = [line.strip() for line in str(error.value).splitlines()[1:]]
+    *outside_names, missing = names.values()
+    assert sorted(problems) == sorted(
+        [f"{INDEX_FILE} names {name!r}, outside {checkpoint}" for name in outside_names]
+        + [f"{INDEX_FILE} names {missing!r}, which is not a file in {checkpoint}"]
+    )
+
+
+def test_shards_linked_from_a_cache_load(checkpoint, tmp_path):
+    """The Hugging Face cache's layout: a snapshot's files link to blobs elsewhere."""
+    _, expected = load_hf_checkpoint(checkpoint)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shutil.move(checkpoint / "model.safetensors", blobs / "3f2a")
+    (checkpoint / "model.safetensors").symlink_to(blobs / "3f2a")
+    write_index(checkpoint, {})
+
+    _, params = load_params(checkpoint)
+
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, expected)))
+
+
+def test_a_model_too_large_for_memory_is_refused_at_once(checkpoint, monkeypatch):
+    edit_config(checkpoint, num_hidden_layers=10**6, intermediate_size=10**5)
+    monkeypatch.setattr(checkpoint_module, "load_hf_checkpoint", lambda *_, **__: pytest.fail())
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"take [\d.]+ GB .*, more than the [\d.]+ GB available"):
+        load_params(checkpoint)
+    assert time.perf_counter() - start < 1.0
