@@ -3,9 +3,11 @@ streamed deltas, and stop strings."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -25,12 +27,13 @@ def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> 
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, for streaming output.
+    """Turns a stream of token ids into text deltas, for streaming output and stop strings.
 
-    A character whose UTF-8 bytes span several tokens is held back until it is complete (a
-    decoded window that ends in U+FFFD is not emitted yet), so the concatenated deltas plus
-    `finish()` equal the full decode. Each step decodes only a short window of recent tokens
-    (vLLM's prefix/read offsets), not the whole output.
+    Only settled text is emitted: a character whose UTF-8 bytes span several tokens decodes to a
+    trailing U+FFFD while incomplete, and is held back until later tokens complete it or show
+    its bytes invalid (then the U+FFFD is genuine, and emitted). So `text` only grows, and the
+    concatenated deltas plus `finish()` equal the full decode. Each step decodes only a short
+    window of recent tokens (vLLM's prefix/read offsets), not the whole output.
 
     Mutates: its window of recent token ids and `text` (everything emitted so far).
     """
@@ -47,12 +50,15 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids)[-self._NUM_PROMPT_TOKENS_KEPT :]
+        # The window: context tokens (window[:read_offset], already emitted), then new ones;
+        # `_num_emitted` characters of its decoded text are in `text` or are context.
         self._window = _known_ids(tokenizer, context)
         self._read_offset = len(self._window)
+        self._num_emitted = len(self._decode(self._window))
         self.text = ""
 
     def step(self, token_ids: int | Iterable[int]) -> str:
-        """Adds new token ids; returns the text they complete (possibly "")."""
+        """Adds new token ids; returns the text they settle (possibly "")."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         self._window.extend(_known_ids(self._tokenizer, token_ids))
@@ -64,27 +70,65 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        prefix_text = self._decode(self._window[: self._read_offset])
-        new_text = self._decode(self._window)
-        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
+        window_text = self._decode(self._window)
+        # NOTE: an incomplete character is one trailing U+FFFD; all text before it is settled.
+        incomplete = not final and window_text.endswith("\ufffd") and self._ends_incomplete()
+        end = len(window_text) - incomplete
+        if end <= self._num_emitted:
             return ""
-        delta = new_text[len(prefix_text) :]
-        self._window = self._window[self._read_offset :]
-        self._read_offset = len(self._window)
+        delta = window_text[self._num_emitted : end]
         self.text += delta
+        self._num_emitted = end
+        if not incomplete:
+            # All of the window is emitted: the tokens read last become the next context.
+            self._window = self._window[self._read_offset :]
+            self._read_offset = len(self._window)
+            self._num_emitted = len(self._decode(self._window))
         return delta
+
+    def _ends_incomplete(self) -> bool:
+        """Whether the window's bytes end inside a character that more bytes may complete (its
+        U+FFFD is a placeholder), not in an invalid sequence (a U+FFFD for good)."""
+        tokens = self._tokenizer.convert_ids_to_tokens(self._window, self._skip_special_tokens)
+        data = b"".join(_byte_level_bytes(token) for token in tokens)
+        return _INCOMPLETE_CHARACTER.search(data[-3:]) is not None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+# GPT-2's byte-level alphabet, as Qwen's tokenizer spells byte-level BPE tokens.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+# A lead byte and some, not all, of the bytes that may follow it, at the end (Unicode's table
+# of well-formed UTF-8). NOTE: not Python's incremental decoder: it also waits after the
+# invalid ED A0 .. ED BF (surrogates), which the tokenizer decodes to U+FFFD at once.
+_INCOMPLETE_CHARACTER = re.compile(
+    rb"(?:[\xc2-\xdf]"
+    rb"|\xe0[\xa0-\xbf]?|[\xe1-\xec\xee\xef][\x80-\xbf]?|\xed[\x80-\x9f]?"
+    rb"|\xf0(?:[\x90-\xbf][\x80-\xbf]?)?|[\xf1-\xf3][\x80-\xbf]{0,2}"
+    rb"|\xf4(?:[\x80-\x8f][\x80-\xbf]?)?"
+    rb")\Z"
+)
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    """A byte-level BPE token's bytes, as `tokenizers.decoders.ByteLevel` reads them: a token
+    with characters outside the byte alphabet (an added token) as its UTF-8."""
+    if all(char in _BYTE_OF_CHAR for char in token):
+        return bytes(_BYTE_OF_CHAR[char] for char in token)
+    return token.encode()
 
 
 class StopStrings:
     """Detokenizes one request's output as it grows and finds its stop strings in the text.
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
-    answers True once a stop string shows in the text and `min_tokens` tokens exist; `text` is
-    then the output up to it. No prompt context: the text must equal the output tokens decoded
-    alone (as without stop strings), also when the prompt ends inside a multi-byte character.
+    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`: a
+    U+FFFD counts once its bytes are known invalid, never while a character is incomplete) and
+    `min_tokens` tokens exist; `text` is then the output up to it. No prompt context: the text
+    must equal the output tokens decoded alone (as without stop strings), also when the prompt
+    ends inside a multi-byte character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end`.
     """

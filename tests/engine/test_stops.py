@@ -3,14 +3,18 @@ min_tokens, max_tokens; and token ids the tokenizer does not know."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 from support.engine import BASE_SETTINGS, assert_idle
 from support.hf import VOCAB_SIZE, random_qwen3
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.tokenizer import qwen3_tokenizer
+from jaxllm.detokenizer import IncrementalDetokenizer, StopStrings, decode_tokens
+from jaxllm.tokenizer import load_tokenizer, qwen3_tokenizer
 
 PROMPT = [11, 22, 33, 44, 55]
 NUM_TOKENS = 24
@@ -171,18 +175,121 @@ def test_token_ids_the_tokenizer_does_not_know(tmp_path):
     assert_idle(llm)
 
 
+# Stop strings on byte-level token streams: characters split over tokens, invalid bytes.
+
+CHAR_OF_BYTE = bytes_to_unicode()
+BYTE_OF_CHAR = {char: byte for byte, char in CHAR_OF_BYTE.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def token_of(tokenizer, data: bytes) -> int:
+    """The id of the byte-level BPE token whose bytes are exactly `data`."""
+    token_id = tokenizer.convert_tokens_to_ids("".join(CHAR_OF_BYTE[b] for b in data))
+    assert isinstance(token_id, int), data
+    return token_id
+
+
+def settled_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of `token_ids` that no later token can change: their bytes decoded, less a last
+    character that some bytes after them change (one whose bytes are incomplete)."""
+    tokens = tokenizer.convert_ids_to_tokens(token_ids)
+    data = b"".join(bytes(BYTE_OF_CHAR[char] for char in token) for token in tokens)
+    text = data.decode(errors="replace")
+    futures = [b"a"] + [byte * n for byte in (b"\x80", b"\xbf") for n in (1, 2, 3)]
+    if all((data + more).decode(errors="replace").startswith(text) for more in futures):
+        return text
+    return text[:-1]
+
+
+def first_hit(tokenizer, token_ids: list[int], stop: list[str]) -> tuple[int | None, str]:
+    """Feeds `token_ids` one by one to StopStrings, as the scheduler does; returns how many it
+    took to hit (None: no hit) and the text of the output."""
+    stop_strings = StopStrings(tokenizer, SamplingParams(stop=stop))
+    hit = next((n for n, t in enumerate(token_ids, 1) if stop_strings(t)), None)
+    return hit, stop_strings.text if hit else decode_tokens(tokenizer, token_ids)
+
+
 def test_text_of_byte_tokens(llm):
-    """Byte tokens (ids below 256) rarely form valid UTF-8: the text is still the output tokens
-    decoded, cut before the first stop string."""
+    """Byte tokens (ids below 256) rarely form valid UTF-8: a stop string of U+FFFDs hits at the
+    first token whose settled text holds it; the text ends before it, also when streamed."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, VOCAB_SIZE, 9).tolist() for _ in range(8)]
     stop = "\ufffd\ufffd"
-    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, stop=[stop])
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output in outputs:
-        full = llm.tokenizer.decode(output.token_ids)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens = output.token_ids
+        settled = [settled_text(llm.tokenizer, tokens[:n]) for n in range(len(tokens) + 1)]
+        hit = next((n for n, text in enumerate(settled) if stop in text), None)
         if output.finish_reason == "stop":
-            assert output.text == full[: full.index(stop)]
+            assert (len(tokens), output.text) == (hit, settled[-1][: settled[-1].index(stop)])
         else:
-            assert output.text == full
+            assert (hit, output.text) == (None, llm.tokenizer.decode(tokens))
+        streamed = list(llm.stream(prompt, params))
+        assert "".join(delta.text for delta in streamed) == output.text
     assert {o.finish_reason for o in outputs} == {"stop", "length"}
+
+
+def test_stop_string_completed_by_a_token_that_starts_another_character(tokenizer):
+    # "两" is E4 B8 A4 and "한" is ED 95 9C: the token A4 ED ends one and starts the other.
+    ids = [
+        *tokenizer.encode("Hi "),
+        token_of(tokenizer, b"\xe4\xb8"),
+        token_of(tokenizer, b"\xa4\xed"),
+    ]
+    assert tokenizer.decode(ids) == "Hi 两\ufffd"
+    completed = [token_of(tokenizer, bytes([b])) for b in b"\x95\x9c"]
+    assert tokenizer.decode(ids + completed) == "Hi 两한"
+    assert first_hit(tokenizer, ids + completed, ["两"]) == (len(ids), "Hi ")
+    assert first_hit(tokenizer, ids + completed, ["两한"]) == (len(ids) + 2, "Hi ")
+    # The incomplete character after "两" never completes: "两" is still found at once.
+    assert first_hit(tokenizer, ids + completed[:1] * 3, ["两"]) == (len(ids), "Hi ")
+
+
+def test_stop_string_with_replacement_characters(tokenizer):
+    chinese = [token_of(tokenizer, bytes([b])) for b in "中".encode()]  # E4 B8 AD
+    invalid, lead = token_of(tokenizer, b"\xff"), chinese[0]
+    # While incomplete, "中" decodes to U+FFFD: a placeholder the stop string must not match.
+    assert [tokenizer.decode(chinese[:n]) for n in (1, 2, 3)] == ["\ufffd", "\ufffd", "中"]
+    assert first_hit(tokenizer, chinese, ["\ufffd"]) == (None, "中")
+    # FF is never valid UTF-8: its U+FFFD is in the text for good, even before a placeholder.
+    assert first_hit(tokenizer, [*chinese, invalid, lead], ["\ufffd"]) == (4, "中")
+    assert first_hit(tokenizer, [*chinese, invalid, lead], ["中\ufffd"]) == (4, "")
+    # A lead byte followed by another: the first one's U+FFFD is settled by the second.
+    assert first_hit(tokenizer, [lead] * 3, ["\ufffd\ufffd"]) == (3, "")
+    assert first_hit(tokenizer, [lead, invalid], ["\ufffd\ufffd"]) == (2, "")
+
+
+def test_stop_strings_on_random_byte_level_streams(tokenizer):
+    """Random streams of byte tokens and multi-byte tokens (characters split over tokens, some
+    never completed, invalid bytes): a stop string hits at the first token whose settled text
+    holds it, the text ends right before it, and the streamed text (held back by the longest
+    stop string less one character, as in `LLM.stream`) never runs past the final text."""
+    pieces = [b"a", b" b", b"\xe4", b"\xf0", b"\xed", b"\x80", b"\x95", b"\x98", b"\x9c", b"\x9f"]
+    pieces += [b"\xb8", b"\xad", b"\xff", b"\xa4\xed", b"\x92\xe1\x9e", "世界".encode()]
+    pool = [token_of(tokenizer, piece) for piece in pieces]
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(300):
+        ids = rng.choices(pool, k=10)
+        full = tokenizer.decode(ids)
+        # Half the stop strings come from another stream: not all of them hit.
+        source = full if rng.random() < 0.5 else tokenizer.decode(rng.choices(pool, k=10))
+        start = rng.randrange(len(source))
+        stop = [source[start : start + rng.randint(1, 3)], "never"]
+        settled = [settled_text(tokenizer, ids[:n]) for n in range(len(ids) + 1)]
+        hit = next((n for n, text in enumerate(settled) if stop[0] in text), None)
+        text = settled[hit][: settled[hit].index(stop[0])] if hit else full
+        assert first_hit(tokenizer, ids, stop) == (hit, text), (ids, stop)
+
+        detokenizer, shown = IncrementalDetokenizer(tokenizer), ""
+        for token in ids[: (hit or len(ids) + 1) - 1]:
+            detokenizer.step(token)
+            shown = detokenizer.text[: max(len(shown), len(detokenizer.text) - len("never") + 1)]
+        assert text.startswith(shown)
+        hits += hit is not None
+    assert 150 < hits < 290
