@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxllm.cache import EvictionPolicy
+from jaxllm.cache.eviction import POLICIES
+from jaxllm.sampling_params import Check, as_bool, as_int, as_real, check_fields
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,8 @@ class EngineConfig:
         tensor_parallel_size: number of devices the model is sharded over.
         max_num_seqs: the most sequences in one decode step.
         max_num_batched_tokens: the most tokens (tile-padded) in one prefill step.
-        max_model_len: the longest sequence, prompt plus output.
+        max_model_len: the longest sequence, prompt plus output; None: the model's
+            max_position_embeddings, at most 4,096. More than the model's is refused.
         kvcache_block_size: tokens per KV block, a power of two >= 8.
         num_kvcache_blocks: KV capacity in blocks; None sizes it from free device memory.
         memory_fraction: the share of device memory jaxllm may fill (weights, activations, KV);
@@ -28,13 +32,20 @@ class EngineConfig:
         eviction_policy: "lru", "fifo", "lfu", "mru", or an `EvictionPolicy` instance.
         seed: the seed of random weights and of requests that bring no seed of their own.
         compile_at_startup: compile every bucket of the ladder before serving, and run each
-            executable once; False compiles each bucket when a step first needs it.
+            executable once; False compiles each bucket when a step first needs it. None: True
+            on a GPU, False on a CPU.
+
+    Integers may be Python or numpy integers, numbers numpy floats too (stored as Python
+    values); booleans are not numbers, and flags must be booleans.
+
+    Raises:
+        ValueError: a value of the wrong type or outside its range, naming the field.
     """
 
     tensor_parallel_size: int = 1
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
     memory_fraction: float = 0.9
@@ -42,26 +53,53 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str | EvictionPolicy = "lru"
     seed: int = 0
-    compile_at_startup: bool = True
+    compile_at_startup: bool | None = None
 
     def __post_init__(self) -> None:
-        def fail(name: str, allowed: str) -> None:
-            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_fields(self, _CHECKS, _OPTIONAL)
 
-        if self.tensor_parallel_size not in (1, 2, 4, 8):
-            fail("tensor_parallel_size", "1, 2, 4 or 8")
-        if self.max_num_seqs < 1:
-            fail("max_num_seqs", "an integer >= 1")
-        if self.max_num_batched_tokens < 1:
-            fail("max_num_batched_tokens", "an integer >= 1")
-        if self.max_model_len < 2:
-            fail("max_model_len", "an integer >= 2")
-        block = self.kvcache_block_size
-        if block < 8 or block & (block - 1):
-            fail("kvcache_block_size", "a power of two >= 8")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            fail("num_kvcache_blocks", "None or an integer >= 1")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            fail("memory_fraction", "a number in (0, 1]")
-        if self.dtype not in (None, "float32", "bfloat16"):
-            fail("dtype", 'None, "float32" or "bfloat16"')
+
+# NOTE: sizes and positions travel to the device as int32.
+_INT32_LIMIT = 2**31
+
+
+def _in_range(low: int, high: int = _INT32_LIMIT) -> Callable[[int], bool]:
+    return lambda value: low <= value < high
+
+
+def _is_policy(policy: object) -> bool:
+    return isinstance(policy, EvictionPolicy) or (
+        isinstance(policy, str) and policy.lower() in POLICIES
+    )
+
+
+# What each field allows (see `check_fields`).
+_CHECKS: dict[str, Check] = {
+    "tensor_parallel_size": (as_int, lambda n: n in (1, 2, 4, 8), "1, 2, 4 or 8"),
+    "max_num_seqs": (as_int, _in_range(1), "an integer in [1, 2**31)"),
+    "max_num_batched_tokens": (as_int, _in_range(1), "an integer in [1, 2**31)"),
+    "max_model_len": (as_int, _in_range(2), "None or an integer in [2, 2**31)"),
+    "kvcache_block_size": (
+        as_int,
+        lambda n: 8 <= n < _INT32_LIMIT and not n & (n - 1),
+        "a power of two >= 8",
+    ),
+    "num_kvcache_blocks": (as_int, _in_range(1), "None or an integer in [1, 2**31)"),
+    "memory_fraction": (as_real, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]"),
+    "dtype": (
+        lambda dtype: str(dtype) if isinstance(dtype, str) else None,
+        lambda dtype: dtype in ("float32", "bfloat16"),
+        'None, "float32" or "bfloat16"',
+    ),
+    "enable_prefix_caching": (as_bool, lambda _: True, "True or False"),
+    "eviction_policy": (
+        lambda policy: policy if _is_policy(policy) else None,
+        lambda _: True,
+        f"one of {sorted(POLICIES)} or an EvictionPolicy instance",
+    ),
+    # NOTE: the random weights' key takes an int64.
+    "seed": (as_int, _in_range(0, 2**63), "an integer in [0, 2**63)"),
+    "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
+}
+# The fields whose None is a value of its own (see their docs).
+_OPTIONAL = frozenset({"max_model_len", "num_kvcache_blocks", "dtype", "compile_at_startup"})

@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass, field, replace
 import jax
 import numpy as np
 
+from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings, decode_tokens
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner import ModelRunner
@@ -85,6 +86,7 @@ class Engine:
     """Runs requests to completion, one step at a time (`jaxllm.startup.start_engine` builds it).
 
     Args:
+        config: the settings, those left to the model and platform filled in.
         scheduler: the host side: queues, block pool, plans.
         runner: the device side: params, KV cache, executables.
         tokenizer: decodes outputs and finds stop strings.
@@ -94,8 +96,14 @@ class Engine:
     """
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, tokenizer, startup_seconds: dict
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer,
+        startup_seconds: dict,
     ) -> None:
+        self.config = config
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -136,6 +144,15 @@ class Engine:
         self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
 
+    def reset(self) -> None:
+        """Drops every request, the step in flight and the prefix cache; a KV cache deleted by a
+        failed donation is allocated again. What a step left half done cannot be trusted, so
+        the engine goes back to the state of a fresh one, which serves new requests alike."""
+        self._in_flight = None
+        self._requests.clear()
+        self.scheduler.reset()
+        self.runner.reset()
+
     def has_request(self, request_id: int) -> bool:
         """Whether the request is queued, running or finished with its output not yet returned."""
         return request_id in self._requests
@@ -148,15 +165,20 @@ class Engine:
         the outputs of the requests that finished.
 
         So outputs arrive one call after their last step; a call with nothing left to plan
-        just applies the last step.
+        just applies the last step. A step that raises (a device error, an interrupt it did not
+        hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        dispatch_start = time.perf_counter()
-        tokens = None if plan is None else self.runner.execute(plan)
-        dispatch_seconds = time.perf_counter() - dispatch_start
-        in_flight, self._in_flight = self._in_flight, None
-        outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
+        try:
+            plan = self.scheduler.schedule()
+            dispatch_start = time.perf_counter()
+            tokens = None if plan is None else self.runner.execute(plan)
+            dispatch_seconds = time.perf_counter() - dispatch_start
+            in_flight, self._in_flight = self._in_flight, None
+            outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
+        except BaseException:
+            self.reset()
+            raise
         if plan is not None:
             self._in_flight = (plan, tokens)
             kind = self.stats.prefill if plan.is_prefill else self.stats.decode

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import json
 import os
+import signal
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
@@ -22,10 +24,11 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.prompts import SinglePrompt, parse_prompts
+from jaxllm.sampling_params import SEED_LIMIT, SamplingParams, shown
 from jaxllm.startup import start_engine
 
-Prompt = str | Sequence[int]
+Prompt = SinglePrompt
 Message = dict[str, str]
 
 
@@ -44,6 +47,9 @@ class LLM:
         FileNotFoundError: a model path that does not exist.
 
     Mutates: `generate`, `chat` and `stream` run the engine (its KV cache and prefix cache).
+    One thread at a time runs it: calls from several threads wait their turn. Ctrl-C (a
+    `KeyboardInterrupt`) is held back until the step running ends, then aborts the requests of
+    the call it interrupts; the LLM serves the next call as before.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
@@ -54,15 +60,23 @@ class LLM:
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(f"model must be a path, a Hub id or None, got {type(model).__name__}")
+        if model is not None and not os.fspath(model):
+            raise ValueError(
+                "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
+                "or None (the embedded default)"
+            )
         platform = Platform.detect()
         if model is None:
             kwargs = platform.default_engine_kwargs | kwargs
-        self.model = os.fspath(model) if model else platform.default_model
-        self.config = EngineConfig(**kwargs)
-        self.engine = start_engine(self.model, self.config, platform)
+        self.model = platform.default_model if model is None else os.fspath(model)
+        self.engine = start_engine(self.model, EngineConfig(**kwargs), platform)
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
         self._seed_counter = itertools.count(1)
+        self._lock = threading.RLock()
         # NOTE: outputs of requests finished by a step that another call ran (an interleaved
         # `stream`), kept until their caller asks.
         self._finished: dict[int, RequestOutput] = {}
@@ -103,17 +117,27 @@ class LLM:
         """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
         return self.engine.scheduler.stats()
 
-    def save(self, path: str | Path) -> None:
-        """Saves the model as a directory that `LLM(path)` loads back: the params (orbax) and
-        their config, the tokenizer, and a generation_config.json of the eos ids it stops at."""
-        from jaxllm.model.checkpoint import save_params
+    def save(self, path: str | Path, overwrite: bool = False) -> None:
+        """Saves the model as a directory that `LLM(path)` loads back, verifying it: the params
+        (orbax) with their config and checksums, the tokenizer, and a generation_config.json of
+        the eos ids it stops at.
 
-        save_params(path, self.engine.runner.config, self.engine.runner.params)
-        self.tokenizer.save_pretrained(path)
-        eos = list(self.engine.scheduler.config.eos_token_ids)
-        (Path(path) / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": eos}, indent=2) + "\n"
-        )
+        All of it is written beside `path` and moved in at the end, so an error or Ctrl-C
+        leaves `path` as it was. `overwrite=True` lets it write into a non-empty directory,
+        replacing only files of the same names.
+
+        Raises:
+            ValueError: `path` is a non-empty directory (without `overwrite`) or not a directory.
+        """
+        from jaxllm.model.checkpoint import atomic_directory, save_params
+
+        with self._lock, atomic_directory(path, overwrite=overwrite) as staging:
+            save_params(staging, self.engine.runner.config, self.engine.runner.params)
+            self.tokenizer.save_pretrained(staging)
+            eos = list(self.engine.scheduler.config.eos_token_ids)
+            (staging / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": eos}, indent=2) + "\n"
+            )
 
     def generate(
         self,
@@ -124,8 +148,9 @@ class LLM:
         """Generates a completion for each prompt; returns them in prompt order.
 
         Args:
-            prompts: one string, a list of strings, one list (or 1-d array) of token ids, or
-                a list (or any iterable) of those.
+            prompts: one prompt or a list (any ordered iterable) of them; a prompt is a
+                string, token ids (a list or 1-d integer array), or vLLM's {"prompt": text} or
+                {"prompt_token_ids": ids} (`jaxllm.prompts`).
             sampling_params: one SamplingParams for all (default `SamplingParams()`), or one
                 per prompt.
             use_tqdm: show a progress bar with prefill and decode tokens/s.
@@ -134,7 +159,8 @@ class LLM:
             ValueError: an empty, too long or out-of-vocabulary prompt, a request that can never
                 fit in the KV cache, or a sampling_params list of the wrong length (nothing runs).
         """
-        return self._run(self._requests(prompts, sampling_params), use_tqdm)
+        with self._lock:
+            return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
     def chat(
         self,
@@ -167,30 +193,34 @@ class LLM:
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
         """
-        requests = self._requests(prompt, sampling_params)
+        with self._lock:
+            requests = self._requests(prompt, sampling_params)
         if len(requests) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(requests)}")
         return self._stream(requests[0])
 
     def _stream(self, request: Request):
-        self.engine.add(request)
         request_id, seq, param = request.request_id, request.seq, request.seq.params
         detokenizer = IncrementalDetokenizer(self.tokenizer, param.skip_special_tokens)
         hold_back = max(len(stop) for stop in param.stop) - 1 if param.stop else 0
         num_sent_tokens = num_sent_chars = 0
         try:
+            with self._lock:
+                self.engine.add(request)
             while True:
-                if request_id not in self._finished:
-                    self._step()
-                output = self._finished.pop(request_id, None)
+                with self._lock:  # NOTE: released at each yield, so other callers go on
+                    if request_id not in self._finished:
+                        self._step()
+                    output = self._finished.pop(request_id, None)
+                    live = self.engine.has_request(request_id)
+                    new_tokens = seq.output_token_ids[num_sent_tokens:]
                 if output is not None:
                     yield StreamDelta(
                         output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
                     )
                     return
-                if not self.engine.has_request(request_id):
+                if not live:
                     raise RuntimeError(f"request {request_id} was aborted")
-                new_tokens = seq.output_token_ids[num_sent_tokens:]
                 if not new_tokens:
                     continue
                 num_sent_tokens += len(new_tokens)
@@ -200,13 +230,16 @@ class LLM:
                 num_sent_chars = visible
                 yield StreamDelta(delta, list(new_tokens))
         finally:
-            self._finished.pop(request_id, None)
-            self.engine.abort(request_id)
+            with self._lock:
+                self._finished.pop(request_id, None)
+                self.engine.abort(request_id)
 
     def _step(self) -> list[int]:
-        """Runs one engine step; files its finished outputs under `_finished`, returns their ids."""
-        finished = {output.request_id: output for output in self.engine.step()}
-        self._finished.update(finished)
+        """Runs one engine step, Ctrl-C held back until it ends; files its finished outputs
+        under `_finished`, returns their ids."""
+        with _interrupts_held():
+            finished = {output.request_id: output for output in self.engine.step()}
+            self._finished.update(finished)
         return list(finished)
 
     def _requests(
@@ -214,7 +247,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[Request]:
-        """The engine's requests of a call, all validated before any is queued."""
+        """The engine's requests of a call, all validated before any is queued (prompt forms:
+        `jaxllm.prompts`)."""
         texts, token_lists = self._tokenize(prompts)
         params = self._params_per_prompt(sampling_params, len(token_lists))
         requests = []
@@ -225,47 +259,45 @@ class LLM:
                 raise ValueError(f"prompt {index}: {error}") from None
         return requests
 
-    def _tokenize(self, prompts: Prompt | Sequence[Prompt]) -> tuple[list, list[list[int]]]:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if prompts and all(_is_token_id(t) for t in prompts):
-            prompts = [prompts]
-        token_lists = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                token_lists.append(self.tokenizer.encode(prompt, add_special_tokens=False))
-            elif isinstance(prompt, Sequence | Iterator) or hasattr(prompt, "tolist"):
-                tokens = list(prompt)
-                if not all(_is_token_id(t) for t in tokens):
-                    raise ValueError(f"prompt {index}: token ids must be integers")
-                token_lists.append([int(t) for t in tokens])
-            else:
-                raise ValueError(
-                    f"prompt {index}: expected a string or a list of token ids, got "
-                    f"{type(prompt).__name__}"
-                )
-        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+    def _tokenize(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt's text (None for token ids) and token ids."""
+        parsed = parse_prompts(prompts)
+        texts = [prompt.text for prompt in parsed]
+        token_lists = [
+            self.tokenizer.encode(text, add_special_tokens=False) if tokens is None else tokens
+            for text, tokens in parsed
+        ]
         return texts, token_lists
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
+        """One SamplingParams per prompt, unseeded ones given a derived seed."""
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * count
-        else:
+        elif isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
             if len(params) != count:
                 raise ValueError(
                     f"got {len(params)} sampling_params for {count} prompts; pass one "
                     "SamplingParams or one per prompt"
                 )
+        else:
+            raise ValueError(
+                "sampling_params must be None, a SamplingParams or a list of them (one per "
+                f"prompt), got {type(sampling_params).__name__} {shown(sampling_params)}"
+            )
         for index, param in enumerate(params):
             if not isinstance(param, SamplingParams):
-                raise ValueError(f"sampling_params[{index}] is not a SamplingParams")
+                raise ValueError(
+                    f"sampling_params[{index}] is not a SamplingParams: got "
+                    f"{type(param).__name__} {shown(param)}"
+                )
         # NOTE: requests without a seed of their own still get a stream of their own.
         for index, param in enumerate(params):
             if param.seed is None:
-                seed = hash((self.config.seed, next(self._seed_counter))) & (2**63 - 1)
+                seed = hash((self.config.seed, next(self._seed_counter))) % SEED_LIMIT
                 params[index] = dataclasses.replace(param, _derived_seed=seed)
         return params
 
@@ -295,6 +327,7 @@ class LLM:
         except BaseException:
             for request_id in ids:  # a no-op for those already finished
                 engine.abort(request_id)
+                self._finished.pop(request_id, None)
             raise
         finally:
             bar.close()
@@ -302,8 +335,28 @@ class LLM:
         return [outputs[request_id] for request_id in ids]
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Holds SIGINT (Ctrl-C) back until the block ends, then raises its KeyboardInterrupt.
+
+    NOTE: an interrupt between a donated call and the rebinding of its result would leave the
+    KV cache deleted; a step is short, so it runs whole. Only the main thread receives signals,
+    and only Python's own handler is replaced: elsewhere this changes nothing.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            raise KeyboardInterrupt
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,

@@ -169,7 +169,7 @@ class ModelRunner:
         max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
 
     Mutates: `execute` replaces `kv_cache` by the step's in-place-updated buffer; `compile`
-    adds executables.
+    adds executables; `reset` forgets the steps in flight.
     """
 
     def __init__(
@@ -203,14 +203,26 @@ class ModelRunner:
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
-        gap = jax.device_put(np.zeros(SMALL_BUFFERS_BYTES // 4, np.int32), self._replicated)
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, mesh=mesh)
-        gap.delete()
+        self._cache_shape = (num_blocks, block_size)
+        self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
         self.warn_on_compile = False  # set once the whole ladder is compiled
+
+    def _allocate_kv_cache(self) -> Any:
+        gap = jax.device_put(np.zeros(SMALL_BUFFERS_BYTES // 4, np.int32), self._replicated)
+        kv_cache = allocate_kv_cache(self.config, *self._cache_shape, mesh=self.mesh)
+        gap.delete()
+        return kv_cache
+
+    def reset(self) -> None:
+        """Forgets the steps dispatched so far; a KV cache that a failed step's donation deleted
+        is allocated again (empty: the scheduler's reset drops what it cached)."""
+        self._previous = None
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache)):
+            self.kv_cache = self._allocate_kv_cache()
 
     @property
     def num_executables(self) -> int:

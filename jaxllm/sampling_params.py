@@ -1,14 +1,30 @@
-"""Per-request sampling settings, validated at construction (pure Python, no jax)."""
+"""Per-request sampling settings, validated at construction (pure Python and numpy, no jax).
+
+Also what `EngineConfig` and `jaxllm.prompts` share: `check_fields`, one loop over a table of
+checks; `as_int`, `as_real` and `as_bool`, which take Python's and numpy's scalars alike and give
+Python values, so settings hash and compare as plain numbers; `shown`, a value as error
+messages quote it.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# A seed's range: any 64-bit unsigned value (the device keys its stream with all 64 bits).
+SEED_LIMIT = 2**64
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's tokens and when to stop.
+
+    Numbers may be Python or numpy scalars (np.float32(0.7), np.int64(8)); they are stored as
+    Python int and float. Booleans are not numbers, and flags must be booleans.
 
     Attributes:
         temperature: 0 means greedy; otherwise logits are divided by it. Range [0, inf).
@@ -21,7 +37,11 @@ class SamplingParams:
         stop: strings that end the output; the text ends before the stop string.
         stop_token_ids: token ids that end the output (kept in `token_ids`).
         seed: makes this request's samples reproducible, whatever else is in the batch.
+            Range [0, 2**64).
         skip_special_tokens: drop special tokens when decoding the text.
+
+    Raises:
+        ValueError: a value of the wrong type or outside its range, naming the field.
     """
 
     temperature: float = 1.0
@@ -40,39 +60,16 @@ class SamplingParams:
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is not None:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_fields(self, _CHECKS, _OPTIONAL, prefix="SamplingParams.")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-
-        def fail(name: str, allowed: str) -> None:
-            value = getattr(self, name)
-            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
-
-        if not _is_real(self.temperature) or self.temperature < 0 or math.isinf(self.temperature):
-            fail("temperature", "a finite number >= 0 (0 means greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            fail("top_k", "an integer >= 0 (0 or -1 keeps every token)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "a number in (0, 1]")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", "a number in [0, 1]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "an integer >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "a non-empty string or a list of non-empty strings")
-        if self.stop_token_ids is not None and not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
-            fail("stop_token_ids", "a list of integers >= 0")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            fail("seed", "None or an integer in [0, 2**63)")
+        min_tokens = as_int(self.min_tokens)
+        if min_tokens is None or not 0 <= min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be an integer in [0, max_tokens="
+                f"{self.max_tokens}], got {shown(self.min_tokens)}"
+            )
+        object.__setattr__(self, "min_tokens", min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -80,15 +77,117 @@ class SamplingParams:
 
     @property
     def sampling_seed(self) -> int:
-        """The seed the device sampler uses for this request (user seed, else engine-derived)."""
+        """The seed the device sampler uses for this request (user seed, else engine-derived),
+        in [0, 2**64)."""
         if self.seed is not None:
             return self.seed
         return self._derived_seed or 0
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+Check = tuple[Callable[[Any], Any], Callable[[Any], bool], str]
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+def check_fields(
+    instance: object, checks: dict[str, Check], optional: frozenset[str], prefix: str = ""
+) -> None:
+    """Replaces each field of a frozen dataclass `instance` named in `checks` by its converted
+    value, in the order of `checks`; fields in `optional` may also be None.
+
+    Args:
+        checks: field name -> (its conversion, None where the value is refused; a test of the
+            converted value; what is allowed, in words).
+
+    Raises:
+        ValueError: "{prefix}{name} must be {allowed}, got {value}" for the first field refused.
+    """
+    for name, (convert, ok, allowed) in checks.items():
+        value = getattr(instance, name)
+        if value is None and name in optional:
+            continue
+        converted = convert(value)
+        if converted is None or not ok(converted):
+            raise ValueError(f"{prefix}{name} must be {allowed}, got {shown(value)}")
+        object.__setattr__(instance, name, converted)
+
+
+def as_int(value: object) -> int | None:
+    """`value` as a Python int if it is an integer (numpy's included, bools not), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        return None
+    return int(value)
+
+
+def as_real(value: object) -> float | None:
+    """`value` as a Python float if it is a real number other than NaN (integers and numpy
+    scalars included, bools not), else None; integers too large for a float give inf."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return None
+    try:
+        real = float(value)
+    except OverflowError:
+        real = math.inf if value > 0 else -math.inf
+    return None if math.isnan(real) else real
+
+
+def as_bool(value: object) -> bool | None:
+    """`value` as a Python bool if it is one (numpy's included), else None."""
+    return bool(value) if isinstance(value, bool | np.bool_) else None
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`value`'s repr for an error message, cut to about `limit` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit of str()
+        text = f"<an int of {value.bit_length()} bits>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _as_tuple(value: object, convert: Callable[[Any], Any]) -> tuple | None:
+    """A string as a tuple of itself; a list, tuple, set or 1-d array as the tuple of `convert`
+    of each item. None where the value or an item (`convert` gives None) is not allowed."""
+    items = (value,) if isinstance(value, str) else value
+    if isinstance(items, np.ndarray) and items.ndim != 1:
+        return None
+    if not isinstance(items, list | tuple | set | frozenset | np.ndarray):
+        return None
+    converted = tuple(convert(item) for item in items)
+    return None if None in converted else converted
+
+
+def _stop_string(value: object) -> str | None:
+    return str(value) if isinstance(value, str) and value else None
+
+
+def _token_id(value: object) -> int | None:
+    token = as_int(value)
+    return token if token is not None and token >= 0 else None
+
+
+# What each field allows (see `check_fields`); min_tokens, bounded by max_tokens, is checked after.
+_CHECKS: dict[str, Check] = {
+    "temperature": (
+        as_real,
+        lambda t: 0.0 <= t < math.inf,
+        "a finite number >= 0 (0 means greedy)",
+    ),
+    "top_k": (as_int, lambda k: k >= -1, "an integer >= 0 (0 or -1 keeps every token)"),
+    "top_p": (as_real, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]"),
+    "min_p": (as_real, lambda p: 0.0 <= p <= 1.0, "a number in [0, 1]"),
+    "max_tokens": (as_int, lambda n: n >= 1, "an integer >= 1"),
+    "ignore_eos": (as_bool, lambda _: True, "True or False"),
+    "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
+    "stop": (
+        lambda stop: _as_tuple(stop, _stop_string),
+        lambda _: True,
+        "None, a non-empty string or a list of non-empty strings",
+    ),
+    "stop_token_ids": (
+        lambda ids: _as_tuple(ids, _token_id),
+        lambda _: True,
+        "None or a list of integers >= 0",
+    ),
+    "seed": (as_int, lambda seed: 0 <= seed < SEED_LIMIT, "None or an integer in [0, 2**64)"),
+}
+# The fields whose None is a value of its own (not given).
+_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed"})

@@ -23,7 +23,7 @@ import jax
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.model.attention import Kernels
-from jaxllm.model.checkpoint import RANDOM_PREFIX, load_params
+from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import Params
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 COMPILATION_CACHE_ENV = "JAXLLM_COMPILATION_CACHE"
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxllm/xla"
+# NOTE: the longest sequence when none is asked for (the model's limit, if lower): longer ones
+# widen the block tables of every step.
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def configure_compilation_cache() -> None:
@@ -96,6 +99,27 @@ def timed_phase(seconds: dict[str, float], name: str) -> Iterator[None]:
     logger.info("%s: %.1f s", name, elapsed)
 
 
+def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platform) -> EngineConfig:
+    """`config` with the settings it leaves to the model and the platform filled in.
+
+    Raises:
+        ValueError: max_model_len beyond the model's max_position_embeddings.
+    """
+    limit = model.max_position_embeddings
+    max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's max_position_embeddings "
+            f"({limit}); lower it, or leave it None"
+        )
+    compile_at_startup = config.compile_at_startup
+    if compile_at_startup is None:
+        compile_at_startup = platform.gpu
+    return dataclasses.replace(
+        config, max_model_len=max_model_len, compile_at_startup=compile_at_startup
+    )
+
+
 def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine:
     """A ready engine for `model` (a directory, a Hub id or "random:<shape>").
 
@@ -113,6 +137,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     with phase("load weights"):
         dtype = config.dtype or platform.dtype
         model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
+    config = resolve_defaults(config, model_config, platform)
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     is_random = path.startswith(RANDOM_PREFIX)
@@ -149,6 +174,12 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
             "max_model_len"
         )
+    per_block = kv_cache_bytes_per_block(
+        model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
+    )
+    check_fits(
+        f"the KV cache ({num_blocks} blocks of {block_size} tokens)", num_blocks * per_block, mesh
+    )
     settings = dataclasses.replace(settings, num_blocks=num_blocks)
     scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
     with phase("allocate the KV cache"):
@@ -167,7 +198,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         with phase("warm up"):
             runner.warm_up()
         runner.warn_on_compile = True
-    return Engine(scheduler, runner, tokenizer, seconds)
+    return Engine(config, scheduler, runner, tokenizer, seconds)
 
 
 def fit_num_blocks(

@@ -180,6 +180,7 @@ def main() -> None:
         top_p=jnp.ones((args.batch,), jnp.float32),
         min_p=jnp.zeros((args.batch,), jnp.float32),
         seeds=jnp.arange(args.batch, dtype=jnp.uint32),
+        seed_high=jnp.zeros((args.batch,), jnp.uint32),
         steps=jnp.zeros((args.batch,), jnp.int32),
     )
     sampler = jax.jit(functools.partial(sample, mode="random"))

@@ -63,4 +63,20 @@ def test_gpu_and_cpu_defaults():
     assert (CPU.dtype, CPU.prefill_tile) == (None, 16)  # None: the checkpoint's own dtype
     assert H200.default_model == "random:qwen3-0.6b" and H200.default_engine_kwargs == {}
     assert CPU.default_model == "random:qwen3-tiny"
-    assert CPU.default_engine_kwargs["compile_at_startup"] is False
+    assert CPU.default_engine_kwargs["max_num_seqs"] == 16
+
+
+def test_settings_left_to_the_model_and_the_platform():
+    from jaxllm.config import EngineConfig
+    from jaxllm.model.config import PRESETS
+    from jaxllm.startup import resolve_defaults
+
+    model = PRESETS["qwen3-tiny"]
+    on_cpu, on_gpu = (resolve_defaults(EngineConfig(), model, p) for p in (CPU, H200))
+    assert (on_cpu.compile_at_startup, on_gpu.compile_at_startup) == (False, True)
+    assert on_cpu.max_model_len == 4096  # below the model's 40,960
+    short = model.replace(max_position_embeddings=512)
+    assert resolve_defaults(EngineConfig(), short, CPU).max_model_len == 512
+    assert resolve_defaults(EngineConfig(compile_at_startup=True), model, CPU).compile_at_startup
+    with pytest.raises(ValueError, match=r"max_model_len=1024 is more than .* \(512\)"):
+        resolve_defaults(EngineConfig(max_model_len=1024), short, CPU)

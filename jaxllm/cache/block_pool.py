@@ -232,6 +232,19 @@ class BlockPool:
                 block_id = owner
             parent_key = self._keys[block_id]
 
+    def reset(self) -> None:
+        """Makes every block empty and forgets every cached prefix (the policy hears of each
+        eviction), whatever the ref counts said; for when no sequence holds a block any more,
+        or none can be trusted to (`Scheduler.reset`). Statistics are kept."""
+        for block_id in range(self.num_blocks):
+            if self._hashes[block_id] is not None and block_id in self.policy:
+                self.policy.on_evict(block_id)
+        self._ref_counts = [0] * self.num_blocks
+        self._hashes = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks
+        self._hash_to_block.clear()
+        self._empty = list(range(self.num_blocks - 1, -1, -1))
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admission: `num_tokens` looked up, `num_hit_tokens` served from the cache."""
         self._num_queried_tokens += num_tokens

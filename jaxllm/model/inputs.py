@@ -73,7 +73,10 @@ class SamplingInputs(NamedTuple):
             mass reaches top_p (the boundary token included); 1 keeps all.
         min_p: [S] float32; drop tokens whose probability is below min_p times the top one;
             0 keeps all.
-        seeds: [S] uint32; the row's random stream.
+        seeds: [S] uint32; the row's seed folded to 32 bits (`fold_seed`: the seed itself
+            below 2**32).
+        seed_high: [S] uint32; the seed's high 32 bits: with `seeds`, all 64 bits of the seed
+            select the row's random stream.
         steps: [S] int32; tokens the request generated so far (selects the draw in the stream).
     """
 
@@ -82,6 +85,7 @@ class SamplingInputs(NamedTuple):
     top_p: Any
     min_p: Any
     seeds: Any
+    seed_high: Any
     steps: Any
 
     @classmethod
@@ -93,6 +97,7 @@ class SamplingInputs(NamedTuple):
             top_p=np.ones(num_rows, np.float32),
             min_p=np.zeros(num_rows, np.float32),
             seeds=np.zeros(num_rows, np.uint32),
+            seed_high=np.zeros(num_rows, np.uint32),
             steps=np.zeros(num_rows, np.int32),
         )
 
@@ -110,11 +115,15 @@ class SamplingInputs(NamedTuple):
         inputs.top_k[:n] = [min(p.top_k, INT32_MAX) for p in params]
         inputs.top_p[:n] = [p.top_p for p in params]
         inputs.min_p[:n] = [p.min_p for p in params]
-        inputs.seeds[:n] = [fold_seed(p.sampling_seed) for p in params]
+        seeds = [p.sampling_seed for p in params]
+        inputs.seeds[:n] = [fold_seed(seed) for seed in seeds]
+        inputs.seed_high[:n] = [seed >> 32 for seed in seeds]
         inputs.steps[:n] = steps
         return inputs
 
 
 def fold_seed(seed: int) -> int:
-    """Folds a seed in [0, 2**64) into the 32 bits the device key takes (xor of both halves)."""
+    """A seed in [0, 2**64) folded to 32 bits: the xor of its halves. NOTE: with the high half
+    beside it (`SamplingInputs.seed_high`) the pair is the whole seed, and a seed below 2**32
+    is its own fold."""
     return (seed ^ (seed >> 32)) & 0xFFFF_FFFF

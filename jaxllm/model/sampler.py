@@ -87,7 +87,7 @@ def sample(
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
     scaled = logits / temperature[:, None]  # [S, V]
     vocab_size = scaled.shape[-1]
-    noise = _gumbel_noise(inputs.seeds, inputs.steps, vocab_size)  # [S, V]
+    noise = _gumbel_noise(inputs.seeds, inputs.seed_high, inputs.steps, vocab_size)  # [S, V]
     if mode == "random":
         # NOTE: greedy rows (scaled by 1) get no noise, so their argmax is the greedy token.
         noise = jnp.where(is_greedy[:, None], 0.0, noise)
@@ -121,16 +121,23 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
-    """[S, V] Gumbel noise; row s is a function of (seeds[s], steps[s]) only.
+def _gumbel_noise(
+    seeds: jax.Array, seed_high: jax.Array, steps: jax.Array, vocab_size: int
+) -> jax.Array:
+    """[S, V] Gumbel noise; row s is a function of (seeds[s], seed_high[s], steps[s]) only.
+
+    Two 32-bit row keys, a bijection of the 64-bit seed at each step, key the hash of each token
+    index: seeds that differ in any bit draw different streams. A seed below 2**32 has both keys
+    equal (`_mix32(0)` is 0).
 
     NOTE: a hash of the token index keyed by the row's seed and step is one fused elementwise
     pass, where `jax.random` with vmapped threefry keys costs a millisecond per step at S=512.
     """
     golden = jnp.uint32(0x9E37_79B9)
     row_key = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) * golden + 1))
+    high_key = row_key ^ _mix32(seed_high.astype(jnp.uint32))  # [S]
     index = jnp.arange(vocab_size, dtype=jnp.uint32)
-    bits = _mix32(_mix32(index[None, :] * golden + row_key[:, None]) ^ row_key[:, None])
+    bits = _mix32(_mix32(index[None, :] * golden + row_key[:, None]) ^ high_key[:, None])
     uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -jnp.log(-jnp.log(uniform))
 

@@ -120,6 +120,20 @@ class Scheduler:
             self._finish(seq, "abort")
         return seq
 
+    def reset(self) -> None:
+        """Aborts every live sequence and empties the block pool, prefix cache included: what is
+        left after a step failed midway, when neither the pool's records nor the KV they point
+        to can be trusted."""
+        for seq in self._live.values():
+            seq.block_table = []
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        self.waiting.clear()
+        self.running.clear()
+        self.sampling_last.clear()
+        self._live.clear()
+        self.block_pool.reset()
+
     @property
     def num_unfinished(self) -> int:
         return len(self._live)

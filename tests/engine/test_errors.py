@@ -183,7 +183,7 @@ def test_engine_defaults_match_the_documented_api():
         tensor_parallel_size=1,
         max_num_seqs=512,
         max_num_batched_tokens=16384,
-        max_model_len=4096,
+        max_model_len=None,
         kvcache_block_size=256,
         num_kvcache_blocks=None,
         memory_fraction=0.9,
@@ -191,6 +191,7 @@ def test_engine_defaults_match_the_documented_api():
         enable_prefix_caching=True,
         eviction_policy="lru",
         seed=0,
+        compile_at_startup=None,
     )
     assert {name: getattr(defaults, name) for name in documented} == documented
 

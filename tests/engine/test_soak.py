@@ -1,8 +1,13 @@
-"""2,000 requests of random lengths and random sampling settings through an engine whose cache
-forces preemption: every request returns, in order, with the finish reason its settings call
-for; the block pool ends free; and nothing is compiled after start-up."""
+"""3,000 requests of random lengths and random sampling settings through an engine whose cache
+forces preemption, in ten calls: every request returns, in order, with the finish reason its
+settings call for; the block pool ends free; nothing is compiled after start-up; and the
+process's memory stays flat after the first call (docs/reliability.md records a run:
+`python -m pytest -m slow -s tests/engine/test_soak.py`)."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +15,8 @@ from support.hf import VOCAB_SIZE
 
 from jaxllm import LLM, SamplingParams
 
-NUM_REQUESTS = 2000
+NUM_REQUESTS = 3000
+NUM_CALLS = 10
 MAX_MODEL_LEN = 256
 EOS = (7, 200)
 
@@ -48,6 +54,15 @@ def check_finish(tokens: list[int], params: SamplingParams, prompt_len: int, rea
         assert len(tokens) == limit
 
 
+def rss_bytes() -> int:
+    """The process's resident memory (Linux)."""
+    status = Path("/proc/self/status").read_text()
+    return (
+        int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+        * 1024
+    )
+
+
 @pytest.mark.slow
 def test_soak(checkpoint, tmp_path):
     path = checkpoint.with_generation_config(tmp_path / "eos", eos_token_id=list(EOS))
@@ -75,8 +90,21 @@ def test_soak(checkpoint, tmp_path):
         prompts.append(tokens)
     params = [random_params(rng) for _ in range(NUM_REQUESTS)]
 
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    start, outputs, rss = time.perf_counter(), [], []
+    per_call = NUM_REQUESTS // NUM_CALLS
+    for first in range(0, NUM_REQUESTS, per_call):
+        batch = slice(first, first + per_call)
+        outputs += llm.generate(prompts[batch], params[batch], use_tqdm=False)
+        rss.append(rss_bytes())
+    seconds = time.perf_counter() - start
 
+    print(
+        f"soak: {NUM_REQUESTS} requests in {seconds:.0f} s, "
+        f"{sum(len(o.token_ids) for o in outputs)} tokens, "
+        f"{llm.engine.scheduler.num_preemptions} preemptions, "
+        f"RSS after each call (MB): {[round(r / 2**20) for r in rss]}"
+    )
+    assert max(rss[1:]) < 1.1 * rss[0]  # after warm-up (the first call), growth < 10%
     assert llm.num_compilations_since_startup == 0
     assert len(outputs) == NUM_REQUESTS
     for prompt, param, output in zip(prompts, params, outputs, strict=True):

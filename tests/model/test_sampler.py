@@ -148,6 +148,38 @@ def test_steps_give_different_streams():
     assert np.mean(tokens == other_seed) < 0.2
 
 
+@pytest.mark.parametrize(
+    ("seed", "other"),
+    [
+        (5, 5 + 2**32),  # the high words alone differ
+        (1, 2**32),  # the same fold (low ^ high word)
+        (2**32 + 7, 2**33 + 4),  # the same fold
+        (2**64 - 1, 2**63 - 1),  # the top bit alone differs
+    ],
+)
+def test_every_bit_of_a_seed_selects_its_stream(seed, other):
+    logits = np.zeros((1, 32), np.float32)
+
+    def stream(seed: int) -> np.ndarray:
+        inputs = SamplingInputs.from_params([SamplingParams(seed=seed)] * 256, range(256))
+        return np.asarray(_sample(jnp.asarray(np.broadcast_to(logits, (256, 32))), inputs))
+
+    tokens = stream(seed)
+    np.testing.assert_array_equal(tokens, stream(seed))
+    assert np.mean(tokens == stream(other)) < 0.2  # uniform over 32 tokens: about 1/32
+
+
+RECORDED_SEED_99 = [30, 16, 3, 24, 24, 2, 12, 24]
+
+
+def test_a_seed_below_2_to_32_keys_the_stream_it_always_did():
+    """The high word of such a seed is 0, which leaves its key unchanged: the first tokens of
+    seed 99 over steps 0..7 (uniform over 32 tokens) are those recorded before high words."""
+    inputs = SamplingInputs.from_params([SamplingParams(seed=99)] * 8, range(8))
+    tokens = _sample(jnp.zeros((8, 32), jnp.float32), inputs)
+    assert np.asarray(tokens).tolist() == RECORDED_SEED_99
+
+
 def test_candidate_and_full_sort_paths_agree():
     """Rows that fit the top-k/top-p candidates and rows that need a full sort agree exactly."""
     rng = np.random.default_rng(4)
@@ -215,7 +247,9 @@ def test_from_params_pads_with_greedy_rows():
     np.testing.assert_array_equal(inputs.temperature, [1.0, 0.0, 0.0, 0.0])
     np.testing.assert_array_equal(inputs.top_k, [7, 0, 0, 0])
     np.testing.assert_array_equal(inputs.steps, [11, 0, 0, 0])
-    assert inputs.seeds.dtype == np.uint32 and inputs.seeds[0] == fold_seed(2**40 + 5)
+    assert inputs.seeds.dtype == inputs.seed_high.dtype == np.uint32
+    assert (inputs.seeds[0], inputs.seed_high[0]) == (fold_seed(2**40 + 5), 2**8)
+    np.testing.assert_array_equal(inputs.seed_high[1:], 0)
     assert fold_seed(2**40 + 5) != fold_seed(5)
     with pytest.raises(ValueError):
         SamplingInputs.from_params([SamplingParams()] * 3, [0, 0, 0], 2)

@@ -1,0 +1,182 @@
+"""What jaxllm promises when things go wrong (docs/reliability.md): Ctrl-C at any moment, calls
+from two threads, a step that fails on the device, saving over a user's files, sizes that cannot
+fit, and a quick start on a CPU."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from support.engine import BASE_SETTINGS, assert_idle, greedy_params
+
+from jaxllm import LLM
+
+NUM_PROMPTS = 4  # of the greedy batch, checked after every interrupt
+
+
+def interrupted(call, delay: float):
+    """`call()`, with a KeyboardInterrupt sent to the main thread after `delay` seconds, as
+    Ctrl-C would; its result, or None if the interrupt stopped it."""
+    timer = threading.Timer(delay, _thread.interrupt_main)
+    try:
+        timer.start()
+        try:
+            result = call()
+        finally:
+            timer.cancel()
+            timer.join()
+        time.sleep(0.01)  # an interrupt sent just as the call returned lands here
+        return result
+    except KeyboardInterrupt:
+        return None
+
+
+def assert_serves_the_reference(llm: LLM, prompts, reference) -> None:
+    assert not llm._finished
+    assert_idle(llm)
+    outputs = llm.generate(prompts, greedy_params(), use_tqdm=False)
+    assert [output.token_ids for output in outputs] == reference
+
+
+@pytest.mark.parametrize("entry", ["generate", "stream"])
+def test_interrupt_at_random_moments(entry, make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm(max_num_seqs=4)
+    prompts, reference = greedy_prompts[:NUM_PROMPTS], greedy_reference[:NUM_PROMPTS]
+    if entry == "generate":
+        call = lambda: llm.generate(prompts, greedy_params(), use_tqdm=False)
+    else:
+        call = lambda: [list(llm.stream(prompt, greedy_params())) for prompt in prompts]
+    call()  # compiles the buckets, so that the timed calls below are the steady ones
+    start = time.perf_counter()
+    call()
+    duration = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    num_interrupted = 0
+    for delay in rng.uniform(0, duration, 16):
+        num_interrupted += interrupted(call, delay) is None
+        assert llm.engine.runner.kv_cache is not None
+        assert_serves_the_reference(llm, prompts, reference)
+    assert num_interrupted >= 8
+
+
+def test_interrupt_inside_a_step_is_held_until_the_step_ends(
+    make_llm, greedy_prompts, greedy_reference
+):
+    llm = make_llm(max_num_seqs=4)
+    stream = llm.stream(greedy_prompts[6], greedy_params())
+    first = next(stream)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def interrupting_execute(plan):
+        runner.execute = execute
+        _thread.interrupt_main()  # arrives while the step runs
+        time.sleep(0.01)
+        return execute(plan)
+
+    runner.execute = interrupting_execute
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(greedy_prompts[7], greedy_params(), use_tqdm=False)
+    finally:
+        vars(runner).pop("execute", None)
+    # The step ran whole: only the interrupted call's request ended, the stream goes on.
+    rest = [t for delta in stream for t in delta.token_ids]
+    assert first.token_ids + rest == greedy_reference[6]
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(runner.kv_cache))
+    assert_idle(llm)
+
+
+def test_a_failed_step_resets_the_engine(make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm(max_num_seqs=4)
+    prompts, reference = greedy_prompts[:NUM_PROMPTS], greedy_reference[:NUM_PROMPTS]
+    llm.generate(prompts, greedy_params(), use_tqdm=False)  # fills the prefix cache
+    runner = llm.engine.runner
+
+    def failing_execute(plan):  # as a device error after the cache was donated
+        jax.tree.map(lambda leaf: leaf.delete(), runner.kv_cache)
+        raise RuntimeError("device failure")
+
+    runner.execute = failing_execute
+    try:
+        with pytest.raises(RuntimeError, match="device failure"):
+            llm.generate(prompts, greedy_params(), use_tqdm=False)
+    finally:
+        del runner.execute
+    assert llm.cache_stats().num_cached_free_blocks == 0  # its KV was lost with the cache
+    assert_serves_the_reference(llm, prompts, reference)
+
+
+def test_two_threads_share_one_llm(make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm(max_num_seqs=4)
+    results: dict[str, object] = {}
+
+    def run(name, call):
+        try:
+            results[name] = call()
+        except BaseException as error:
+            results[name] = error
+
+    generate = lambda prompts: llm.generate(prompts, greedy_params(), use_tqdm=False)
+    stream = lambda prompt: [t for d in llm.stream(prompt, greedy_params()) for t in d.token_ids]
+    threads = [
+        threading.Thread(target=run, args=("a", lambda: generate(greedy_prompts[:3]))),
+        threading.Thread(target=run, args=("b", lambda: generate(greedy_prompts[3:6]))),
+        threading.Thread(target=run, args=("c", lambda: stream(greedy_prompts[6]))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [o.token_ids for o in results["a"]] == greedy_reference[:3]
+    assert [o.token_ids for o in results["b"]] == greedy_reference[3:6]
+    assert results["c"] == greedy_reference[6]
+    assert_idle(llm)
+
+
+def test_save_never_overwrites_a_users_files(llm, tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "generation_config.json").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        llm.save(target)
+    assert [p.name for p in target.iterdir()] == ["generation_config.json"]
+    assert (target / "generation_config.json").read_text() == "mine"
+
+    (target / "notes.txt").write_text("keep")
+    llm.save(target, overwrite=True)
+    assert (target / "notes.txt").read_text() == "keep"
+    assert (target / "generation_config.json").read_text() != "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+
+
+def test_empty_model_name_is_refused():
+    with pytest.raises(ValueError, match="model is an empty string"):
+        LLM("")
+    with pytest.raises(TypeError, match="model must be a path"):
+        LLM(3)
+
+
+def test_max_model_len_beyond_the_models_positions(checkpoint):
+    settings = BASE_SETTINGS | {"max_model_len": 1024}  # the checkpoint has 512 positions
+    with pytest.raises(ValueError, match="max_model_len=1024 is more than the model's"):
+        LLM(checkpoint.path, **settings)
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(checkpoint):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"the KV cache \(\d+ blocks .* GB available"):
+        LLM(checkpoint.path, **BASE_SETTINGS | {"num_kvcache_blocks": 2**31 - 1})
+    assert time.perf_counter() - start < 30  # refused, not attempted
+
+
+def test_a_cpu_compiles_buckets_as_steps_need_them(checkpoint, greedy_prompts, greedy_reference):
+    llm = LLM(checkpoint.path)  # the defaults: the model's 512 positions, the whole ladder
+    assert llm.num_executables == 0 and llm.config.max_model_len == 512
+    output = llm.generate(greedy_prompts[2], greedy_params(8), use_tqdm=False)[0]
+    assert output.token_ids == greedy_reference[2][:8]
+    assert 0 < llm.num_executables <= 4
