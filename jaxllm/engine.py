@@ -106,10 +106,10 @@ class Engine:
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
+        self.compiled_at_startup = runner.num_compiled
         self.tokenizer = tokenizer
         self.startup_seconds = startup_seconds
         self.stats = EngineStats()
-        self.compiled_at_startup = runner.num_compiled
         self._requests: dict[int, Request] = {}
         self._in_flight: tuple[StepPlan, jax.Array] | None = None
 
