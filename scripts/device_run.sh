@@ -2,6 +2,7 @@
 # What the H200 runs for docs/performance.md, in one device call (see docs/performance.md):
 #   bash scripts/device_run.sh tests bench-0.6b bench-8b decode-step
 #   bash scripts/device_run.sh bench:qwen3-8b:1 bench:qwen3-8b:2      # model, tensor parallel
+#   bash scripts/device_run.sh fixed:1:512:512 fixed:16:512:512 fixed:32:8000:256  # latency
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
@@ -88,6 +89,10 @@ for stage in "$@"; do
       flag=$([ "$cache" = off ] && echo --no-prefix-caching)
       logged "shared-prefix-$order-$cache" 14 $ONE_GPU python3 scripts/bench.py $SHARED_PREFIX \
         --order "$order" $flag --json "$RECORDS/shared-prefix-$order-$cache.json" ;;
+    fixed:*)  # fixed:<sequences>:<prompt tokens>:<output tokens>, 0.6B (one stream: fixed:1:512:512)
+      IFS=: read -r _ num in out <<< "$stage"
+      logged "fixed-$num-$in-$out" 12 $ONE_GPU python3 scripts/bench.py --num-seqs "$num" \
+        --fixed-lengths "$in" "$out" --json "$RECORDS/fixed-$num-$in-$out.json" ;;
     bench:*)  # bench:<model>:<tp>[:<block size>[:<attention>]]
       IFS=: read -r _ model tp block attention <<< "$stage"
       name="bench-$model-tp$tp${block:+-bs$block}${attention:+-$attention}"

@@ -5,6 +5,10 @@ seed 0, 256 sequences, prompts of randint(100, 1024) random token ids, max_token
 1024), temperature 0.6, ignore_eos; 133,966 output tokens. Without an accelerator it runs a small
 workload on `random:qwen3-tiny` and says so.
 
+`--fixed-lengths IN OUT` gives every sequence (`--num-seqs`, default 1) a prompt of IN random
+token ids and OUT output tokens: `--num-seqs 1 --fixed-lengths 512 512` is one stream, the
+latency a person waits on.
+
 `--workload shared-prefix|multi-turn|prefix-repetition|hot-prefix-scans|trace` runs one of
 `jaxllm.research.workloads` instead (same sampling), and adds time to first token, the prefix
 cache's counters, and the simulator's prediction of them for the engine's exact scheduler
@@ -60,6 +64,13 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     ]
     max_tokens = [random.randint(MIN_LEN, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
+
+
+def fixed_workload(num_seqs: int, input_len: int, output_len: int):
+    """`num_seqs` prompts of `input_len` random token ids (seed 0), `output_len` tokens each."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 10000, (num_seqs, input_len)).tolist()
+    return prompts, [output_len] * num_seqs
 
 
 def physical_bound(
@@ -144,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-input-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
     parser.add_argument(
+        "--fixed-lengths",
+        type=int,
+        nargs=2,
+        metavar=("IN", "OUT"),
+        default=None,
+        help="every prompt IN tokens, every output OUT tokens (--num-seqs: default 1)",
+    )
+    parser.add_argument(
         "--attention",
         choices=ATTENTION_BACKENDS,
         default=None,
@@ -201,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [r.prompt_token_ids.tolist() for r in requests]
         max_tokens = [r.max_tokens for r in requests]
         num_seqs = len(requests)
+    elif args.fixed_lengths:
+        num_seqs = args.num_seqs or 1
+        prompts, max_tokens = fixed_workload(num_seqs, *args.fixed_lengths)
+        engine_kwargs["max_model_len"] = max(4096, sum(args.fixed_lengths))
     else:
         prompts, max_tokens = workload(num_seqs, max_in, max_out)
     if args.block_size:
@@ -235,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = physical_bound(llm.model_config, [len(p) for p in prompts], max_tokens, tp=args.tp)
     record = {
         "model": model,
+        "fixed_lengths": args.fixed_lengths,
         "tp": args.tp,
         "num_seqs": num_seqs,
         "output_tokens": total,
