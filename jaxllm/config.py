@@ -34,6 +34,9 @@ class EngineConfig:
         compile_at_startup: compile every bucket of the ladder before serving, and run each
             executable once; False compiles each bucket when a step first needs it. None: True
             on a GPU, False on a CPU.
+        num_scheduler_steps: decode steps run on the device per plan, sampling included, when
+            no request waits and at most 32 run (vLLM's multi-step scheduling); None: 8 on a
+            GPU, 1 on a CPU.
 
     Integers may be Python or numpy integers, numbers numpy floats too (stored as Python
     values); booleans are not numbers, and flags must be booleans.
@@ -54,6 +57,7 @@ class EngineConfig:
     eviction_policy: str | EvictionPolicy = "lru"
     seed: int = 0
     compile_at_startup: bool | None = None
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, _OPTIONAL)
@@ -100,6 +104,9 @@ _CHECKS: dict[str, Check] = {
     # NOTE: the random weights' key takes an int64.
     "seed": (as_int, _in_range(0, 2**63), "an integer in [0, 2**63)"),
     "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
+    "num_scheduler_steps": (as_int, lambda n: 1 <= n <= 64, "None or an integer in [1, 64]"),
 }
 # The fields whose None is a value of its own (see their docs).
-_OPTIONAL = frozenset({"max_model_len", "num_kvcache_blocks", "dtype", "compile_at_startup"})
+_OPTIONAL = frozenset(
+    {"max_model_len", "num_kvcache_blocks", "dtype", "compile_at_startup", "num_scheduler_steps"}
+)

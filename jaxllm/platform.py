@@ -29,6 +29,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "flash", "pallas")
 # NOTE: FA3 works in tiles of 128 query rows, so GPU prefill chunks are laid out in tiles of
 # 128; on a CPU tiles of 16 pad short prompts less (the portable attention gathers per tile).
 GPU_PREFILL_TILE, CPU_PREFILL_TILE = 128, 16
+GPU_DECODE_STEPS = 8
 # NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
 CPU_KV_CACHE_BYTES = 2 << 30
 CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL = "random:qwen3-tiny", "random:qwen3-0.6b"
@@ -99,6 +100,12 @@ class Platform:
     def dtype(self) -> str | None:
         """The param dtype when none is asked for: bfloat16 on a GPU, else the checkpoint's."""
         return "bfloat16" if self.gpu else None
+
+    @property
+    def num_scheduler_steps(self) -> int:
+        """Decode steps per plan when few requests run: several on a GPU, where the host's time
+        per step exceeds the device's; one on a CPU, where compiling each costs more."""
+        return GPU_DECODE_STEPS if self.gpu else 1
 
     @property
     def prefill_tile(self) -> int:

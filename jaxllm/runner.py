@@ -106,6 +106,48 @@ def _sample_step(logits, packed, *, num_rows: int, mode: str):
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
 
 
+def _decode_steps(
+    forward_fn,
+    params,
+    kv_cache,
+    packed,
+    packed_sampling,
+    previous_tokens,
+    *,
+    bucket,
+    mode,
+    num_rows,
+):
+    """A decode plan's K steps in one program: each step's sampled tokens are the next one's
+    inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
+    Returns the tokens of every step [K, num_rows], those of the last [num_rows], the cache."""
+    inputs, sampling_like = bucket.padding()
+    shape = (bucket.num_steps, bucket.num_tokens)
+    like = (*inputs, np.zeros(bucket.num_tokens, np.int32), np.zeros(shape, np.int32))
+    *arrays, rows, slots = unpack(packed, like)
+    inputs = ModelInputs(*arrays)
+    sampling = SamplingInputs(*unpack(packed_sampling, sampling_like))
+    token_ids = jnp.where(rows >= 0, previous_tokens[jnp.maximum(rows, 0)], inputs.token_ids)
+    live = inputs.context_lens > 0  # padding rows attend to nothing at any step
+
+    def step(j, carry):
+        kv_cache, token_ids, tokens = carry
+        step_inputs = inputs._replace(
+            token_ids=token_ids,
+            positions=inputs.positions + j,
+            slot_mapping=slots[j],
+            context_lens=jnp.where(live, inputs.context_lens + j, 0),
+        )
+        logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
+        sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)
+        return kv_cache, sampled, tokens.at[j].set(sampled)
+
+    tokens = jnp.zeros((bucket.num_steps, bucket.num_sampled), jnp.int32)
+    kv_cache, last, tokens = lax.fori_loop(0, bucket.num_steps, step, (kv_cache, token_ids, tokens))
+    padding = num_rows - bucket.num_sampled
+    return jnp.pad(tokens, ((0, 0), (0, padding))), jnp.pad(last, (0, padding)), kv_cache
+
+
 def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     """The packed array of `arrays`, as a shape to lower for."""
     size = sum(np.asarray(array).size for array in arrays)
@@ -195,6 +237,14 @@ class ModelRunner:
             donate_argnums=1,
             compiler_options=COMPILER_OPTIONS,
         )
+        self._decode_steps = jax.jit(
+            functools.partial(
+                _decode_steps, sharded_forward(config, mesh, kernels), num_rows=max_sampled_rows
+            ),
+            static_argnames=("bucket", "mode"),
+            donate_argnums=1,
+            compiler_options=COMPILER_OPTIONS,
+        )
         self._sample = jax.jit(
             functools.partial(_sample_step, num_rows=max_sampled_rows),
             static_argnames="mode",
@@ -206,6 +256,7 @@ class ModelRunner:
         self._cache_shape = (num_blocks, block_size)
         self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
+        self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
@@ -226,7 +277,12 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        return len(self._forward_executables) + len(self._sample_executables)
+        return sum(
+            map(
+                len,
+                (self._forward_executables, self._sample_executables, self._multi_step_executables),
+            )
+        )
 
     def compile(
         self,
@@ -235,15 +291,23 @@ class ModelRunner:
         sampler_modes: Iterable[str] = SAMPLER_MODES,
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
-        model's, and the sampler's in each of `sampler_modes`."""
+        model's and the sampler's in each of `sampler_modes`, or for a bucket of several decode
+        steps, one of both per sampler mode."""
         buckets, sampler_modes = list(buckets), tuple(sampler_modes)
+        single = [bucket for bucket in buckets if bucket.num_steps == 1]
         samplers = sorted(
-            {(bucket.num_sampled, mode) for bucket in buckets for mode in sampler_modes}
+            {(bucket.num_sampled, mode) for bucket in single for mode in sampler_modes}
             - set(self._sample_executables)
         )
-        buckets = [bucket for bucket in buckets if bucket not in self._forward_executables]
-        total, disable = len(buckets) + len(samplers), not use_tqdm or not buckets
-        with tqdm(total=total, desc="Compiling buckets", disable=disable) as bar:
+        single = [bucket for bucket in single if bucket not in self._forward_executables]
+        multi = [
+            (bucket, mode)
+            for bucket in buckets
+            for mode in sampler_modes
+            if bucket.num_steps > 1 and (bucket, mode) not in self._multi_step_executables
+        ]
+        total = len(single) + len(samplers) + len(multi)
+        with tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar:
             sampler_programs = {}
             for num_rows, mode in samplers:
                 logits = jax.ShapeDtypeStruct(
@@ -255,15 +319,32 @@ class ModelRunner:
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
                 forward_programs = {}
-                for bucket in buckets:
-                    inputs, _ = bucket.padding()
-                    rows = np.zeros(bucket.num_tokens, np.int32)
-                    packed = _shapes((*inputs, rows), self._replicated)
+                for bucket in single:
+                    packed = _shapes(self._step_arrays(bucket), self._replicated)
                     forward_programs[bucket] = self._forward.lower(
                         self.params, self.kv_cache, packed, self._no_tokens, bucket=bucket
                     )
                 self._forward_executables |= _compile_all(forward_programs, bar)
+                multi_programs = {}
+                for bucket, mode in multi:
+                    packed = _shapes(self._step_arrays(bucket), self._replicated)
+                    sampling = _shapes(bucket.padding()[1], self._replicated)
+                    multi_programs[bucket, mode] = self._decode_steps.lower(
+                        self.params, self.kv_cache, packed, sampling, self._no_tokens,
+                        bucket=bucket, mode=mode,
+                    )  # fmt: skip
+                self._multi_step_executables |= _compile_all(multi_programs, bar)
         self.num_compiled += total
+
+    @staticmethod
+    def _step_arrays(bucket: Bucket) -> tuple[np.ndarray, ...]:
+        """A step of padding alone, as the bucket's executable takes it (before packing): the
+        model's inputs, `previous_rows` (-1: none), and for several steps each one's slots."""
+        inputs, _ = bucket.padding()
+        rows = np.full(bucket.num_tokens, -1, np.int32)
+        if bucket.num_steps == 1:
+            return (*inputs, rows)
+        return (*inputs, rows, np.full((bucket.num_steps, bucket.num_tokens), -1, np.int32))
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
@@ -274,13 +355,17 @@ class ModelRunner:
         """
         logits_by_rows = {}
         for bucket in self._forward_executables:
-            inputs, _ = bucket.padding()
-            arrays = (*inputs, np.full(bucket.num_tokens, -1, np.int32))
+            arrays = self._step_arrays(bucket)
             logits_by_rows[bucket.num_sampled] = self._run_forward(bucket, arrays, self._no_tokens)
         results = [self.kv_cache]
         for num_rows, mode in self._sample_executables:
             greedy = SamplingInputs.padding(num_rows)
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
+        for bucket, mode in self._multi_step_executables:
+            arrays = self._step_arrays(bucket)
+            results.append(
+                self._run_steps(bucket, mode, arrays, bucket.padding()[1], self._no_tokens)[0]
+            )
         jax.block_until_ready(results)
 
     def execute(self, plan: StepPlan) -> jax.Array:
@@ -288,25 +373,54 @@ class ModelRunner:
 
         Returns:
             [max_sampled_rows] int32 sampled tokens on the device, row i the token of
-            `plan.seqs[i]`; rows past the plan's are 0.
+            `plan.seqs[i]`; rows past the plan's are 0. A plan of K > 1 decode steps: [K,
+            max_sampled_rows], those of each step.
         """
         bucket, sampling = plan.bucket, plan.sampling
         vocab = self.config.vocab_size
         mode = sampler_mode(
             sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, vocab
         )
-        if bucket not in self._forward_executables or (
-            (bucket.num_sampled, mode) not in self._sample_executables
-        ):
+        if not self._has_executables(bucket, mode):
             if self.warn_on_compile:
                 logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
             self.compile([bucket], use_tqdm=False, sampler_modes=[mode])
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
         arrays = (*plan.inputs, previous_rows(plan, previous_plan))
-        logits = self._run_forward(bucket, arrays, previous_tokens)
-        tokens = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
-        self._previous = (plan, tokens)
+        if bucket.num_steps > 1:
+            arrays = (*arrays, plan.step_slots)
+            tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
+        else:
+            logits = self._run_forward(bucket, arrays, previous_tokens)
+            tokens = last = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
+        self._previous = (plan, last)
         return tokens
+
+    def _has_executables(self, bucket: Bucket, mode: str) -> bool:
+        if bucket.num_steps > 1:
+            return (bucket, mode) in self._multi_step_executables
+        return bucket in self._forward_executables and (
+            (bucket.num_sampled, mode) in self._sample_executables
+        )
+
+    def _run_steps(
+        self,
+        bucket: Bucket,
+        mode: str,
+        arrays: Sequence[np.ndarray],
+        sampling: SamplingInputs,
+        previous_tokens: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatches a plan of several decode steps; keeps its updated cache, returns the
+        tokens of every step and of the last."""
+        tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
+            self.params,
+            self.kv_cache,
+            self._on_devices(pack(arrays)),
+            self._on_devices(pack(sampling)),
+            previous_tokens,
+        )
+        return tokens, last
 
     def _run_forward(
         self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array

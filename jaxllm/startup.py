@@ -115,8 +115,12 @@ def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platfor
     compile_at_startup = config.compile_at_startup
     if compile_at_startup is None:
         compile_at_startup = platform.gpu
+    num_steps = config.num_scheduler_steps or platform.num_scheduler_steps
     return dataclasses.replace(
-        config, max_model_len=max_model_len, compile_at_startup=compile_at_startup
+        config,
+        max_model_len=max_model_len,
+        compile_at_startup=compile_at_startup,
+        num_scheduler_steps=num_steps,
     )
 
 
@@ -158,6 +162,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         max_model_len=config.max_model_len,
         prefill_tile=tile,
         enable_prefix_caching=config.enable_prefix_caching,
+        num_scheduler_steps=config.num_scheduler_steps,
         eos_token_ids=tuple(int(t) for t in eos if t is not None),
     )
     # NOTE: FA3 reads only each sequence's context, so its tables are padded to the widest

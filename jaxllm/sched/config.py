@@ -18,6 +18,8 @@ class SchedulerConfig:
         max_model_len: the longest sequence (prompt plus output) a request may reach.
         prefill_tile: prefill tokens are laid out in tiles of this many tokens of one sequence.
         enable_prefix_caching: reuse cached KV of identical full blocks across requests.
+        num_scheduler_steps: decode steps one plan runs on the device (sampling each token
+            there) when no request waits and at most `MULTI_STEP_MAX_SEQS` run (`plan.py`).
     """
 
     num_blocks: int
@@ -28,6 +30,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     prefill_tile: int = 128
     enable_prefix_caching: bool = True
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -37,7 +40,13 @@ class SchedulerConfig:
                 f"SchedulerConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
             )
 
-        for name in ("num_blocks", "block_size", "max_num_seqs", "prefill_tile"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "prefill_tile",
+            "num_scheduler_steps",
+        ):
             if getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
         if self.max_model_len < 2:

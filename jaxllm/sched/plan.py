@@ -4,8 +4,10 @@ Every padded shape (bucket) comes from a fixed `BucketLadder`, so all the shapes
 see are known before the first step. `plan_step` is the only place the step's arrays (in the
 format of `jaxllm.model.inputs`) are built.
 
-Legend: T tokens, G tiles, S sampled rows, W block-table width (blocks). Decode steps have
-G == T == S (tiles of one token); prefill steps have G = T // prefill_tile and S = G.
+Legend: T tokens, G tiles, S sampled rows, W block-table width (blocks), K decode steps.
+Decode steps have G == T == S (tiles of one token); prefill steps have G = T // prefill_tile
+and S = G. A decode plan of K > 1 steps runs them in one executable, each step's sampled
+tokens the next one's inputs; the host gives the KV slots of every step ([K, T]).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from jaxllm.sched.sequence import Sequence
 
 StepKind = Literal["prefill", "decode"]
 
+# NOTE: decode plans of several steps pay off where the host's time per step exceeds the
+# device's, in small batches; each batch size of them is one more executable per sampler mode.
+MULTI_STEP_MAX_SEQS = 32
+
 
 class Bucket(NamedTuple):
     """The padded shape of one step: what one compiled executable takes."""
@@ -32,10 +38,11 @@ class Bucket(NamedTuple):
     num_tiles: int  # G
     num_sampled: int  # S
     width: int  # W
+    num_steps: int = 1  # K
 
     def padding(self) -> tuple[ModelInputs, SamplingInputs]:
         """Inputs of a step of padding alone, in this bucket's shape."""
-        _, tokens, tiles, sampled, width = self
+        _, tokens, tiles, sampled, width, _ = self
         return ModelInputs.padding(tokens, tiles, sampled, width), SamplingInputs.padding(sampled)
 
 
@@ -63,12 +70,15 @@ class BucketLadder:
         decode_sizes: decode batch sizes B (T = G = S = B): powers of two up to max_num_seqs.
         prefill_sizes: prefill token counts T: prefill_tile * 2**k up to max_num_batched_tokens.
         widths: block-table widths W: powers of two up to the blocks of max_model_len.
+        num_steps: K of the multi-step decode buckets, one per decode size up to
+            `MULTI_STEP_MAX_SEQS` (none when 1).
     """
 
     decode_sizes: tuple[int, ...]
     prefill_sizes: tuple[int, ...]
     widths: tuple[int, ...]
     prefill_tile: int
+    num_steps: int = 1
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, *, one_width: bool = False) -> BucketLadder:
@@ -83,13 +93,23 @@ class BucketLadder:
             prefill_sizes=_ladder(config.prefill_tile, config.max_num_batched_tokens),
             widths=(widest,) if one_width else _ladder(1, widest),
             prefill_tile=config.prefill_tile,
+            num_steps=config.num_scheduler_steps,
         )
 
-    def decode_bucket(self, num_seqs: int, num_blocks: int) -> Bucket:
+    @property
+    def multi_step_max_seqs(self) -> int:
+        """The largest decode batch that runs `num_steps` steps per plan (0: none)."""
+        return 0 if self.num_steps == 1 else min(MULTI_STEP_MAX_SEQS, self.decode_sizes[-1])
+
+    def decode_bucket(self, num_seqs: int, num_blocks: int, num_steps: int = 1) -> Bucket:
         """The smallest decode bucket holding `num_seqs` rows with tables of `num_blocks`."""
         size = _round_up(self.decode_sizes, num_seqs, "decode batch size")
         width = _round_up(self.widths, num_blocks, "block-table width")
-        return Bucket("decode", size, size, size, width)
+        if num_steps not in (1, self.num_steps) or (
+            num_steps > 1 and size > self.multi_step_max_seqs
+        ):
+            raise ValueError(f"no decode bucket of {num_steps} steps for {num_seqs} sequences")
+        return Bucket("decode", size, size, size, width, num_steps)
 
     def prefill_bucket(self, num_padded_tokens: int, num_blocks: int) -> Bucket:
         """The smallest prefill bucket holding `num_padded_tokens` (whole tiles)."""
@@ -101,6 +121,10 @@ class BucketLadder:
     def buckets(self) -> list[Bucket]:
         """Every shape a step can have: what the engine compiles at start-up."""
         decode = [self.decode_bucket(size, w) for size in self.decode_sizes for w in self.widths]
+        multi = [size for size in self.decode_sizes if size <= self.multi_step_max_seqs]
+        decode += [
+            self.decode_bucket(size, w, self.num_steps) for size in multi for w in self.widths
+        ]
         prefill = [self.prefill_bucket(size, w) for size in self.prefill_sizes for w in self.widths]
         return decode + prefill
 
@@ -112,13 +136,16 @@ class StepPlan:
     Attributes:
         seqs: the scheduled sequences, in row order.
         start_positions: each sequence's first new token (its num_computed_tokens before).
-        num_new_tokens: tokens each sequence computes in this step (its chunk).
+        num_new_tokens: tokens each sequence computes in this step (its chunk; in a decode
+            plan of K steps, those of the K it samples a token of its own in).
         samples: whether each row's sampled token is its sequence's next token; False for a
             prefill chunk that stops short of the sequence's end.
         inputs: the model's inputs (numpy, the bucket's shape). The token of a decode row
             whose value the previous step is still sampling is 0 here: the runner takes it
             from that step's output on the device.
         sampling: the sampler's inputs, one row per sequence (padding rows are greedy).
+        step_slots: [K, T] the KV slot of each row at each step of a decode plan of K > 1
+            steps (row 0 is `inputs.slot_mapping`); -1 past a sequence's steps. None otherwise.
     """
 
     seqs: list[Sequence]
@@ -128,6 +155,7 @@ class StepPlan:
     bucket: Bucket
     inputs: ModelInputs
     sampling: SamplingInputs
+    step_slots: np.ndarray | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -150,17 +178,21 @@ def plan_step(
     seqs: list[Sequence],
     starts: list[int],
     counts: list[int],
+    num_steps: int = 1,
 ) -> StepPlan:
     """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
-    `seqs[i]` (decode steps: one token each), its arrays padded to the smallest bucket."""
+    `seqs[i]`, its arrays padded to the smallest bucket. A decode plan computes one token per
+    sequence in each of its `num_steps` steps, `counts[i]` <= `num_steps` of them its own."""
     starts_array = np.array(starts, dtype=np.int64)  # [n]
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
     needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
     tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
     if kind == "decode":
-        bucket = ladder.decode_bucket(len(seqs), tables.shape[1])
+        bucket = ladder.decode_bucket(len(seqs), tables.shape[1], num_steps)
         token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
+        counts_array = np.ones_like(counts_array)  # a step's layout: one token each
+        ends = starts_array + 1
     else:
         tile = ladder.prefill_tile
         num_tiles = -(-counts_array // tile)
@@ -176,7 +208,26 @@ def plan_step(
     samples = [kind == "decode" or end == seq.num_tokens for seq, end in seq_ends]
     steps = [end - seq.num_prompt_tokens for seq, end in seq_ends]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
-    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling)
+    step_slots = None
+    if num_steps > 1:
+        step_slots = _step_slots(tables, starts_array, np.array(counts), block_size, bucket)
+    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling, step_slots)
+
+
+def _step_slots(
+    tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int, bucket: Bucket
+) -> np.ndarray:
+    """[K, T] the slot of decode row i at step j: position starts[i] + j, for j < counts[i];
+    -1 (no write) after, and for padding rows."""
+    step = np.arange(bucket.num_steps)[:, None]  # [K, 1]
+    positions = starts[None, :] + step  # [K, n]
+    block_index = np.minimum(positions // block_size, tables.shape[1] - 1)
+    blocks = np.take_along_axis(tables, block_index.T, axis=1).T  # [K, n]
+    slots = np.full((bucket.num_steps, bucket.num_tokens), -1, np.int32)
+    slots[:, : len(starts)] = np.where(
+        step < counts[None, :], blocks * block_size + positions % block_size, -1
+    )
+    return slots
 
 
 def _fill_tiles(

@@ -161,7 +161,8 @@ class Scheduler:
             return None
         kind, seqs, counts = chunks
         starts = [seq.num_computed_tokens for seq in seqs]
-        plan = plan_step(self.ladder, self.config.block_size, kind, seqs, starts, counts)
+        num_steps = self.ladder.num_steps if kind == "decode" and max(counts) > 1 else 1
+        plan = plan_step(self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -176,27 +177,30 @@ class Scheduler:
 
         Args:
             plan: what `schedule()` returned for the step.
-            sampled_token_ids: [S >= plan.num_seqs] the step's sampled tokens in row order;
-                rows past num_seqs (padding) and rows that do not sample are ignored.
+            sampled_token_ids: [S >= plan.num_seqs] the step's sampled tokens in row order, or
+                [K, S] those of a decode plan's K steps (row i's own: the first
+                `plan.num_new_tokens[i]`); padding rows and rows that do not sample are ignored.
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
         sequences that stop: a stop token or string once min_tokens are out ("stop"), or
         max_tokens reached ("length"). Sequences finished since the plan are skipped.
         """
-        tokens = np.asarray(sampled_token_ids)[: plan.num_seqs].tolist()
+        tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
+        counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
-        for seq, samples, token in zip(plan.seqs, plan.samples, tokens, strict=True):
-            if not samples or seq.is_finished:
-                continue
-            position = seq.num_tokens
-            seq.append_token(token)
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
-                self._cache_full_blocks(seq, position, position + 1)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
+        for seq, samples, row, count in zip(plan.seqs, plan.samples, tokens, counts, strict=True):
+            for token in row[:count] if samples else ():
+                if seq.is_finished:
+                    break
+                position = seq.num_tokens
+                seq.append_token(token)
+                if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
+                    self._cache_full_blocks(seq, position, position + 1)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -272,9 +276,31 @@ class Scheduler:
         return True
 
     def _schedule_decode(self) -> tuple | None:
-        """("decode", seqs, ones): one token for every running sequence that has a token left
-        to sample, preempting the newest when blocks run out; or None."""
+        """("decode", seqs, counts): one token for every running sequence, preempting the
+        newest when blocks run out; or None. With nothing waiting, a batch of at most
+        `ladder.multi_step_max_seqs` takes up to `num_scheduler_steps` tokens each (as many as
+        each has left), if the blocks for all of them are free."""
         running = self.running
+        if running and not self.waiting and len(running) <= self.ladder.multi_step_max_seqs:
+            counts = [
+                min(
+                    self.ladder.num_steps,
+                    seq.max_tokens + seq.num_prompt_tokens - seq.num_computed_tokens - 1,
+                )
+                for seq in running
+            ]
+            size, pool = self.config.block_size, self.block_pool
+            needed = sum(
+                max(0, -(-(seq.num_computed_tokens + count) // size) - len(seq.block_table))
+                for seq, count in zip(running, counts, strict=True)
+            )
+            if needed <= pool.num_free_blocks:
+                for seq, count in zip(running, counts, strict=True):
+                    require(
+                        pool.append_slots(seq.block_table, seq.num_computed_tokens + count),
+                        f"{seq}: blocks counted free could not be taken",
+                    )
+                return "decode", list(running), counts
         index = 0
         while index < len(running):
             seq = running[index]
@@ -344,7 +370,7 @@ class Scheduler:
                 f"{seq}: block table does not match its tokens",
             )
             require(
-                seq.num_computed_tokens <= seq.num_tokens + 1,
+                seq.num_computed_tokens <= seq.num_tokens + self.ladder.num_steps,
                 f"{seq}: computes tokens that were never sampled",
             )
             for index, block_id in enumerate(seq.block_table):

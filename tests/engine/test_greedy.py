@@ -21,6 +21,10 @@ SCHEDULES = {
     # Decode through jaxllm's Pallas kernels (interpreted on a CPU): attention, and the q/k
     # norms, rotary embedding and cache write.
     "pallas-decode": {"attention": "pallas"},
+    # Plans of 5 decode steps once nothing waits: outputs end mid-plan (24 = 4 x 5 + 4).
+    "multi-step": {"num_scheduler_steps": 5},
+    "multi-step-preemption": {"num_scheduler_steps": 5, "num_kvcache_blocks": 32},
+    "multi-step-pallas-decode": {"num_scheduler_steps": 5, "attention": "pallas"},
 }
 
 
@@ -34,8 +38,10 @@ def test_greedy_equals_transformers(schedule, make_llm, greedy_prompts, greedy_r
         assert output.prompt_token_ids == prompt
         assert output.token_ids == expected, f"prompt of {len(prompt)} tokens"
         assert output.finish_reason == "length"
-    if schedule == "preemption":
+    if schedule.endswith("preemption"):
         assert llm.engine.scheduler.num_preemptions > preemptions
+    if schedule.startswith("multi-step"):
+        assert llm.engine.stats.decode.tokens > 2 * llm.engine.stats.decode.steps
     if schedule == "chunked-prefill":
         assert llm.engine.stats.prefill.steps > sum(len(p) for p in greedy_prompts) // 48
     assert_idle(llm)
@@ -88,3 +94,17 @@ def test_metrics_and_item_access(llm, greedy_prompts, greedy_reference):
         output["no such field"]
     assert 0 < output.metrics.time_to_first_token <= output.metrics.total_time
     assert len(output.token_ids) == NUM_GREEDY_TOKENS
+
+
+def test_multi_step_plans_stop_mid_plan(make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm(num_scheduler_steps=5)
+    stops = []
+    for expected in greedy_reference:  # a token first sampled 8th or later: mid-plan
+        index = next(i for i, t in enumerate(expected) if i >= 7 and t not in expected[:i])
+        stops.append((expected[index], index))
+    params = [greedy_params(stop_token_ids=[token]) for token, _ in stops]
+    outputs = llm.generate(greedy_prompts, params, use_tqdm=False)
+    for output, expected, (_, index) in zip(outputs, greedy_reference, stops, strict=True):
+        assert output.token_ids == expected[: index + 1]
+        assert output.finish_reason == "stop"
+    assert_idle(llm)

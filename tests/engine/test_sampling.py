@@ -75,6 +75,19 @@ def test_first_token_distribution(first_tokens, name):
     assert_matches(tokens, expected)
 
 
+def test_seeded_requests_ignore_the_steps_per_plan(make_llm):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (3, 40, 17)]
+    params = [
+        SamplingParams(temperature=t, top_k=k, max_tokens=19, seed=s, ignore_eos=True)
+        for t, k, s in ((1.0, 0, 7), (0.7, 20, 2**40 + 3), (1.3, 5, 11))
+    ]
+    one, five = (
+        make_llm(num_scheduler_steps=n).generate(prompts, params, use_tqdm=False) for n in (1, 5)
+    )
+    assert [o.token_ids for o in one] == [o.token_ids for o in five]
+
+
 def test_seeded_request_ignores_its_batch(llm):
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, VOCAB_SIZE, 37).tolist()

@@ -99,13 +99,14 @@ def check_greedy_tokens_and_shards(
     num_kv_heads: int,
     head_dim: int,
     attention: str | None = None,
+    **settings,
 ) -> None:
     """Greedy tokens at `tp` equal transformers', the prefix cache hit, and the weights and the
     KV cache are split `tp` ways (each layer's fused q/k/v by kv heads, with their queries)."""
     from support.engine import make_llm_with
 
     path, reference = checkpoint
-    llm = make_llm_with(path, attention, tensor_parallel_size=tp, **SETTINGS)
+    llm = make_llm_with(path, attention, tensor_parallel_size=tp, **SETTINGS | settings)
 
     assert generate(llm) == reference
     stats = llm.cache_stats()
@@ -132,6 +133,11 @@ def check_greedy_tokens_and_shards(
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_tokens_equal_transformers_at_every_tp(checkpoint, tp):
     check_greedy_tokens_and_shards(checkpoint, tp, HEADS, KV_HEADS, HEAD_DIM)
+
+
+def test_multi_step_decode_at_tp2(checkpoint):
+    """Plans of 4 decode steps, each sampled on the device, at TP=2."""
+    check_greedy_tokens_and_shards(checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, num_scheduler_steps=4)
 
 
 def test_greedy_tokens_equal_transformers_at_tp8(checkpoint_tp8):

@@ -13,12 +13,13 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler
 
 
-def run_async(scheduler: Scheduler, max_steps: int = 2000) -> int:
+def run_async(scheduler: Scheduler, max_steps: int = 2000) -> tuple[int, int]:
     """The engine's loop over the fake device: plan and run step N, then update step N - 1.
-    Returns how many input tokens were taken from the previous step's output."""
+    Returns how many input tokens were taken from the previous step's output, and how many
+    plans ran several decode steps."""
     device = FakeDevice(scheduler.config.num_blocks, scheduler.config.block_size)
     pending = None
-    num_read = 0
+    num_read = num_multi_step = 0
     for _ in range(max_steps):
         plan = scheduler.schedule()
         sampled = None
@@ -26,15 +27,18 @@ def run_async(scheduler: Scheduler, max_steps: int = 2000) -> int:
             rows = previous_rows(plan, pending[0] if pending else None)
             token_ids = plan.inputs.token_ids.copy()
             taken = np.flatnonzero(rows >= 0)
-            token_ids[taken] = pending[1][rows[taken]] if len(taken) else token_ids[taken]
+            if len(taken):
+                previous = pending[1] if pending[1].ndim == 1 else pending[1][-1]  # the last step's
+                token_ids[taken] = previous[rows[taken]]
             num_read += int(np.count_nonzero(plan.inputs.token_ids[taken] == 0))
             sampled = device.step(plan, token_ids)
+            num_multi_step += plan.bucket.num_steps > 1
         if pending is not None:
             scheduler.update(*pending)
         scheduler.check_integrity()
         pending = (plan, sampled) if plan is not None else None
         if pending is None and not scheduler.has_unfinished():
-            return num_read
+            return num_read, num_multi_step
     raise AssertionError("not done")
 
 
@@ -54,16 +58,21 @@ def workload(scheduler: Scheduler, rng: np.random.Generator, count: int) -> list
     return seqs
 
 
+@pytest.mark.parametrize("num_steps", [1, 3], ids=["one-step", "three-step-plans"])
 @pytest.mark.parametrize("num_blocks", [64, 12], ids=["roomy", "preempting"])
 @pytest.mark.parametrize("seed", range(4))
-def test_async_equals_sync(num_blocks, seed):
+def test_async_equals_sync(num_blocks, seed, num_steps):
+    """Also with decode plans of three steps against the synchronous loop of one."""
     config = dict(num_blocks=num_blocks, eos_token_ids=(3,), max_num_batched_tokens=16)
-    sync, pipelined = Scheduler(make_config(**config)), Scheduler(make_config(**config))
+    sync = Scheduler(make_config(**config))
+    pipelined = Scheduler(make_config(**config, num_scheduler_steps=num_steps))
     sync_seqs = workload(sync, np.random.default_rng(seed), 20)
     async_seqs = workload(pipelined, np.random.default_rng(seed), 20)
 
     Harness(sync).run()
-    assert run_async(pipelined) > 0
+    num_read, num_multi_step = run_async(pipelined)
+    assert num_read > 0
+    assert num_multi_step == 0 if num_steps == 1 else num_blocks == 12 or num_multi_step > 0
 
     reasons = {seq.finish_reason for seq in sync_seqs}
     assert reasons == {"stop", "length"}, "the workload should end requests both ways"

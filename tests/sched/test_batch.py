@@ -26,8 +26,8 @@ def test_ladder_rungs_and_buckets():
     assert len(shapes) == len(set(shapes)) == 7 * 5 + 4 * 5
     assert Bucket("decode", 32, 32, 32, 8) in shapes
     assert Bucket("prefill", 64, 4, 4, 13) in shapes
-    assert ladder.decode_bucket(5, 3) == ("decode", 8, 8, 8, 4)
-    assert ladder.prefill_bucket(80, 9) == ("prefill", 96, 6, 6, 13)
+    assert ladder.decode_bucket(5, 3) == Bucket("decode", 8, 8, 8, 4)
+    assert ladder.prefill_bucket(80, 9) == Bucket("prefill", 96, 6, 6, 13)
     with pytest.raises(ValueError, match="beyond"):
         ladder.decode_bucket(49, 1)
     with pytest.raises(ValueError, match="beyond"):
@@ -36,7 +36,7 @@ def test_ladder_rungs_and_buckets():
     one_width = BucketLadder.from_config(config, one_width=True)
     assert one_width.widths == (13,)
     assert len(one_width.buckets()) == 7 + 4
-    assert one_width.decode_bucket(5, 3) == ("decode", 8, 8, 8, 13)
+    assert one_width.decode_bucket(5, 3) == Bucket("decode", 8, 8, 8, 13)
 
 
 def test_every_built_shape_is_on_the_ladder():
@@ -58,7 +58,7 @@ def test_prefill_tiles_are_front_padded():
     b = make_seq(scheduler, [20, 21, 22], top_p=0.8, min_p=0.1)
     plan = scheduler.schedule()
     assert (a.block_table, b.block_table) == ([0, 1], [2])
-    assert plan.bucket == ("prefill", 16, 4, 4, 2)
+    assert plan.bucket == Bucket("prefill", 16, 4, 4, 2)
     # a: 6 tokens in 2 tiles (2 padding rows first); b: 3 tokens in 1 tile; 1 padding tile.
     assert plan.inputs.token_ids.tolist() == [
         0,
@@ -108,7 +108,7 @@ def test_prefill_chunk_after_a_prefix_hit_starts_mid_sequence():
     seq = make_seq(scheduler, [*range(100, 110)], max_tokens=2)  # 8 cached, 2 to compute
     plan = scheduler.schedule()
     assert seq.block_table == [0, 1, 3]
-    assert plan.bucket == ("prefill", 4, 1, 1, 4)
+    assert plan.bucket == Bucket("prefill", 4, 1, 1, 4)
     assert plan.inputs.positions.tolist() == [0, 0, 8, 9]
     assert plan.inputs.token_ids.tolist() == [0, 0, 108, 109]
     assert plan.inputs.slot_mapping.tolist() == [-1, -1, 12, 13]  # block 3, offsets 0 and 1
@@ -128,7 +128,7 @@ def test_decode_rows_slots_and_sampling_arrays():
     harness.step()  # a decode step: the third sequence takes block 4
     plan = scheduler.schedule()  # the first takes block 5
     assert [s.block_table for s in seqs] == [[0, 5], [1, 2], [3, 4]]
-    assert not plan.is_prefill and plan.bucket == ("decode", 4, 4, 4, 2)
+    assert not plan.is_prefill and plan.bucket == Bucket("decode", 4, 4, 4, 2)
     assert plan.inputs.positions.tolist() == [4, 6, 5, 0]  # each sequence's last token
     assert plan.inputs.token_ids.tolist() == [s.output_token_ids[-1] for s in seqs] + [0]
     assert plan.inputs.slot_mapping.tolist() == [5 * 4 + 0, 2 * 4 + 2, 4 * 4 + 1, -1]
@@ -160,7 +160,7 @@ def test_large_steps_have_the_largest_shapes():
     scheduler = make_scheduler(**config.__dict__)
     make_seq(scheduler, 16384, max_tokens=1)
     plan = scheduler.schedule()
-    assert plan.bucket == ("prefill", 16384, 128, 128, 64)
+    assert plan.bucket == Bucket("prefill", 16384, 128, 128, 64)
     assert plan.inputs.slot_mapping.tolist() == list(range(16384))
     assert plan.inputs.context_lens.tolist() == list(range(128, 16385, 128))
 

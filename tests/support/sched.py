@@ -80,9 +80,25 @@ class FakeDevice:
 
     def step(self, plan: StepPlan, token_ids: np.ndarray | None = None) -> np.ndarray:
         """Runs one step (with these token ids instead of the plan's, if given); returns [S]
-        sampled tokens (padding rows: -1)."""
+        sampled tokens (padding rows: -1), or [K, S] for a plan of K decode steps."""
         inputs = plan.inputs
         token_ids = inputs.token_ids if token_ids is None else token_ids
+        if plan.bucket.num_steps == 1:
+            return self._step(plan.num_seqs, inputs, token_ids)
+        steps = []
+        for j in range(plan.bucket.num_steps):
+            live = inputs.context_lens > 0
+            step_inputs = inputs._replace(
+                positions=inputs.positions + j,
+                slot_mapping=plan.step_slots[j],
+                context_lens=np.where(live, inputs.context_lens + j, 0),
+            )
+            steps.append(self._step(plan.num_seqs, step_inputs, token_ids))
+            token_ids = np.zeros_like(token_ids)
+            token_ids[: plan.num_seqs] = steps[-1][: plan.num_seqs]
+        return np.stack(steps)
+
+    def _step(self, num_seqs: int, inputs, token_ids: np.ndarray) -> np.ndarray:
         tile = inputs.tile_size
         size = self.block_size
         row_identity = {}
@@ -104,8 +120,10 @@ class FakeDevice:
                 self.kv[slot] = value
                 row_identity[row] = value
         sampled = np.full(inputs.sample_indices.shape[0], -1, dtype=np.int64)
-        for i in range(plan.num_seqs):
-            sampled[i] = next_token(row_identity[int(inputs.sample_indices[i])])
+        for i in range(num_seqs):
+            row = int(inputs.sample_indices[i])
+            if row in row_identity:  # not a row past its sequence's steps
+                sampled[i] = next_token(row_identity[row])
         return sampled
 
 
@@ -127,7 +145,8 @@ class Harness:
         sampled = self.device.step(plan)
         if before_update is not None:
             before_update(plan)
-        for seq, samples, token in zip(plan.seqs, plan.samples, sampled, strict=False):
+        first = sampled if sampled.ndim == 1 else sampled[0]
+        for seq, samples, token in zip(plan.seqs, plan.samples, first, strict=False):
             if samples and not seq.is_finished:
                 assert token == next_token(expected_identities(seq.token_ids)[-1]), (
                     f"{seq} sampled from the wrong KV"
@@ -151,7 +170,7 @@ def assert_plan_contract(plan: StepPlan, config: SchedulerConfig) -> None:
     """The layout of `jaxllm.model.inputs`, checked row by row against the plan's record (a
     synchronous step: every input token is on the host)."""
     inputs, sampling = plan.inputs, plan.sampling
-    num_tokens, num_tiles, num_sampled, width = plan.bucket[1:]
+    num_tokens, num_tiles, num_sampled, width = plan.bucket[1:5]
     assert inputs.token_ids.shape == inputs.positions.shape == (num_tokens,)
     assert inputs.slot_mapping.shape == (num_tokens,)
     assert inputs.block_tables.shape == (num_tiles, width)
