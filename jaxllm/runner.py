@@ -357,7 +357,7 @@ class ModelRunner:
         for bucket in self._forward_executables:
             arrays = self._step_arrays(bucket)
             logits_by_rows[bucket.num_sampled] = self._run_forward(bucket, arrays, self._no_tokens)
-        results = [self.kv_cache]
+        results = []
         for num_rows, mode in self._sample_executables:
             greedy = SamplingInputs.padding(num_rows)
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
@@ -366,7 +366,7 @@ class ModelRunner:
             results.append(
                 self._run_steps(bucket, mode, arrays, bucket.padding()[1], self._no_tokens)[0]
             )
-        jax.block_until_ready(results)
+        jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
     def execute(self, plan: StepPlan) -> jax.Array:
         """Dispatches one step; returns its sampled tokens without waiting for them.
