@@ -9,12 +9,17 @@ from typing import TYPE_CHECKING
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxllm.llm import LLM, RequestOutput, generate
+    from jaxllm.llm import LLM, generate
+    from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "generate"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "jaxllm.llm", "RequestOutput": "jaxllm.outputs", "generate": "jaxllm.llm"}
+_LAZY = {
+    "LLM": "jaxllm.llm",
+    "generate": "jaxllm.llm",
+    **dict.fromkeys(("CompletionOutput", "Logprob", "RequestOutput"), "jaxllm.outputs"),
+}
 
 
 def __getattr__(name: str):

@@ -37,6 +37,8 @@ class EngineConfig:
         num_scheduler_steps: decode steps run on the device per plan, sampling included, when
             no request waits and at most 32 run (vLLM's multi-step scheduling); None: 8 on a
             GPU, 1 on a CPU.
+        max_logprobs: the most `SamplingParams.logprobs` a request may ask for (the top tokens
+            every step with logprobs computes).
 
     Integers may be Python or numpy integers, numbers numpy floats too (stored as Python
     values); booleans are not numbers, and flags must be booleans.
@@ -58,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     compile_at_startup: bool | None = None
     num_scheduler_steps: int | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, _OPTIONAL)
@@ -105,6 +108,7 @@ _CHECKS: dict[str, Check] = {
     "seed": (as_int, _in_range(0, 2**63), "an integer in [0, 2**63)"),
     "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
     "num_scheduler_steps": (as_int, lambda n: 1 <= n <= 64, "None or an integer in [1, 64]"),
+    "max_logprobs": (as_int, _in_range(1, 1025), "an integer in [1, 1024]"),
 }
 # The fields whose None is a value of its own (see their docs).
 _OPTIONAL = frozenset(

@@ -155,6 +155,14 @@ class StopStrings:
         return True
 
     @property
+    def matched(self) -> str | None:
+        """The stop string found, if any."""
+        if self.text_end is None:
+            return None
+        text = self._detokenizer.text
+        return next(stop for stop in self._stops if text.startswith(stop, self.text_end))
+
+    @property
     def text(self) -> str:
         """The output up to the first stop string found (all of it decoded if none)."""
         return self._detokenizer.text[: self.text_end]

@@ -7,32 +7,42 @@ dispatches step N before it applies step N - 1's tokens, which the device has me
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import astuple, dataclass, field, replace
 
-import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings, decode_tokens
-from jaxllm.outputs import RequestMetrics, RequestOutput
-from jaxllm.runner import ModelRunner
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxllm.runner import ModelRunner, StepResult
+from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
 
 
 @dataclass(eq=False)
 class Request:
-    """The engine's record of one request: its sequence, prompt text, times and stop strings."""
+    """The engine's record of one request: the sequences of its `n` completions (the first
+    one's prefill fills the prefix cache for the others), prompt text, times, and each
+    completion's stop strings."""
 
-    seq: Sequence
+    seqs: list[Sequence]
     prompt: str | None
     metrics: RequestMetrics
-    stop_strings: StopStrings | None = None
+    stop_strings: list[StopStrings | None]
 
     @property
     def request_id(self) -> int:
-        return self.seq.seq_id
+        return self.seqs[0].seq_id
+
+
+def completion_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of completion `index` of a request of `params.n`: a stream of its own."""
+    if params.seed is not None:
+        return replace(params, n=1, seed=(params.seed + index) % SEED_LIMIT)
+    derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
+    return replace(params, n=1, _derived_seed=derived)
 
 
 @dataclass
@@ -110,8 +120,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.startup_seconds = startup_seconds
         self.stats = EngineStats()
-        self._requests: dict[int, Request] = {}
-        self._in_flight: tuple[StepPlan, jax.Array] | None = None
+        self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
+        self._by_seq: dict[int, Request] = {}
+        self._in_flight: tuple[StepPlan, StepResult] | None = None
 
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
@@ -119,9 +130,14 @@ class Engine:
         """A request, validated but not queued (`add` queues it); changes nothing else.
 
         Raises:
-            ValueError: a token id outside the vocabulary, or a request the scheduler refuses
-                (`Scheduler.new_sequence`).
+            ValueError: a token id outside the vocabulary, logprobs above max_logprobs, or a
+                request the scheduler refuses (`Scheduler.new_sequence`).
         """
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} is more than max_logprobs="
+                f"{self.config.max_logprobs} (an LLM setting)"
+            )
         vocab = self.runner.config.vocab_size
         ids = np.asarray(prompt_token_ids)
         bad = ids[(ids < 0) | (ids >= vocab)] if ids.ndim == 1 and ids.size else ids[:0]
@@ -129,20 +145,28 @@ class Engine:
             raise ValueError(
                 f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
             )
-        stop_strings = StopStrings(self.tokenizer, params) if params.stop else None
-        seq = self.scheduler.new_sequence(prompt_token_ids, params, stop_strings)
-        return Request(seq, prompt, RequestMetrics(arrival_time=0.0), stop_strings)
+        seqs, stop_strings = [], []
+        for index in range(params.n):
+            child = params if params.n == 1 else completion_params(params, index)
+            stop_strings.append(StopStrings(self.tokenizer, child) if child.stop else None)
+            seqs.append(self.scheduler.new_sequence(prompt_token_ids, child, stop_strings[-1]))
+            seqs[-1].parent = seqs[0] if index else None
+        return Request(seqs, prompt, RequestMetrics(arrival_time=0.0), stop_strings)
 
     def add(self, request: Request) -> None:
         """Queues a request made by `new_request`."""
         request.metrics.arrival_time = time.perf_counter()
-        self.scheduler.add(request.seq)
         self._requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+            self._by_seq[seq.seq_id] = request
 
     def abort(self, request_id: int) -> None:
         """Finishes a live request without output (mutates the scheduler); others: no-op."""
-        self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        for seq in request.seqs if request is not None else ():
+            self.scheduler.abort(seq.seq_id)
+            self._by_seq.pop(seq.seq_id, None)
 
     def reset(self) -> None:
         """Drops every request, the step in flight and the prefix cache; a KV cache deleted by a
@@ -150,6 +174,7 @@ class Engine:
         the engine goes back to the state of a fresh one, which serves new requests alike."""
         self._in_flight = None
         self._requests.clear()
+        self._by_seq.clear()
         self.scheduler.reset()
         self.runner.reset()
 
@@ -172,7 +197,7 @@ class Engine:
         try:
             plan = self.scheduler.schedule()
             dispatch_start = time.perf_counter()
-            tokens = None if plan is None else self.runner.execute(plan)
+            result = None if plan is None else self.runner.execute(plan)
             dispatch_seconds = time.perf_counter() - dispatch_start
             in_flight, self._in_flight = self._in_flight, None
             outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
@@ -180,7 +205,7 @@ class Engine:
             self.reset()
             raise
         if plan is not None:
-            self._in_flight = (plan, tokens)
+            self._in_flight = (plan, result)
             kind = self.stats.prefill if plan.is_prefill else self.stats.decode
             kind.tokens += plan.num_tokens
             kind.seconds += time.perf_counter() - start
@@ -189,36 +214,91 @@ class Engine:
             kind.wait_seconds += wait_seconds
         return outputs
 
-    def _update(self, plan: StepPlan, tokens: jax.Array) -> tuple[list[RequestOutput], float]:
+    def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:
         """Waits for a step's tokens and applies them; returns the outputs of the requests that
         finished, and the seconds spent waiting."""
         wait_start = time.perf_counter()
-        sampled = np.asarray(tokens)
+        sampled = np.asarray(result.tokens)
+        logprobs = None if result.logprobs is None else np.asarray(result.logprobs)
         now = time.perf_counter()
-        finished = self.scheduler.update(plan, sampled)
+        finished = self.scheduler.update(plan, sampled, logprobs)
         for seq, samples in zip(plan.seqs, plan.samples, strict=True):
-            request = self._requests.get(seq.seq_id)
+            request = self._by_seq.get(seq.seq_id)
             if samples and request is not None and request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-        outputs = [self._output(seq, now) for seq in finished if seq.seq_id in self._requests]
+        done = {self._by_seq[seq.seq_id] for seq in finished if seq.seq_id in self._by_seq}
+        outputs = [
+            self._output(request, now)
+            for request in sorted(done, key=lambda request: request.request_id)
+            if all(seq.is_finished for seq in request.seqs)
+        ]
         return outputs, now - wait_start
 
-    def _output(self, seq: Sequence, now: float) -> RequestOutput:
-        request = self._requests.pop(seq.seq_id)
+    def _output(self, request: Request, now: float) -> RequestOutput:
+        """The output of a request whose completions all finished; forgets the request."""
+        del self._requests[request.request_id]
+        for seq in request.seqs:
+            del self._by_seq[seq.seq_id]
         request.metrics.finished_time = now
-        if request.stop_strings is not None and request.stop_strings.text_end is not None:
-            text = request.stop_strings.text
+        first = request.seqs[0]
+        completions = zip(request.seqs, request.stop_strings, strict=True)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                self._completion(index, seq, stops)
+                for index, (seq, stops) in enumerate(completions)
+            ],
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=request.metrics,
+        )
+
+    def _completion(
+        self, index: int, seq: Sequence, stop_strings: StopStrings | None
+    ) -> CompletionOutput:
+        if stop_strings is not None and stop_strings.text_end is not None:
+            text = stop_strings.text
         else:
             text = decode_tokens(
                 self.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens
             )
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt=request.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+        completion = CompletionOutput(
+            index=index,
             text=text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=None,
+            logprobs=None,
             finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            metrics=request.metrics,
+            stop_reason=self._stop_reason(seq, stop_strings),
         )
+        if seq.params.logprobs is not None:
+            completion.logprobs = self._logprobs(seq)
+            completion.cumulative_logprob = float(sum(row[0] for row in seq.output_logprobs))
+        return completion
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, stop_strings: StopStrings | None) -> str | int | None:
+        """The stop string or stop token that ended `seq`; None for eos and length."""
+        if seq.finish_reason != "stop":
+            return None
+        if stop_strings is not None and stop_strings.matched is not None:
+            return stop_strings.matched
+        last = seq.output_token_ids[-1]
+        return last if last in (seq.params.stop_token_ids or ()) else None
+
+    def _logprobs(self, seq: Sequence) -> SampleLogprobs:
+        """{token id: Logprob} of each output token and its `logprobs` most likely ones."""
+        decode = functools.cache(lambda token: decode_tokens(self.tokenizer, [token], False))
+        wanted = seq.params.logprobs
+        result = []
+        for token, row in zip(seq.output_token_ids, seq.output_logprobs, strict=True):
+            num_top = (len(row) - 2) // 2
+            ids, values = row[2 : 2 + wanted].astype(int), row[2 + num_top : 2 + num_top + wanted]
+            entries = {
+                int(i): Logprob(float(v), rank, decode(int(i)))
+                for rank, (i, v) in enumerate(zip(ids, values, strict=True), 1)
+            }
+            entries.setdefault(token, Logprob(float(row[0]), int(row[1]), decode(token)))
+            result.append(entries)
+        return result

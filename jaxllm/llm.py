@@ -183,12 +183,13 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[StreamDelta]:
-        """Returns an iterator of (text, token_ids) deltas of one prompt's generation.
+        """Returns an iterator of (text, token_ids, index) deltas of one prompt's completions.
 
-        The text deltas concatenate to the final `RequestOutput.text` and the token deltas to
-        its `token_ids`. With stop strings, the last (longest stop string - 1) characters are
-        held back until they cannot start a stop string. The request is queued at the first
-        `next()`; closing the iterator early aborts it.
+        The text deltas of completion `index` concatenate to its final text and the token
+        deltas to its token ids (with n = 1, the `RequestOutput`'s `text` and `token_ids`).
+        With stop strings, the last (longest stop string - 1) characters are held back until
+        they cannot start a stop string. The request is queued at the first `next()`; closing
+        the iterator early aborts it.
 
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
@@ -200,10 +201,13 @@ class LLM:
         return self._stream(requests[0])
 
     def _stream(self, request: Request):
-        request_id, seq, param = request.request_id, request.seq, request.seq.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, param.skip_special_tokens)
-        hold_back = max(len(stop) for stop in param.stop) - 1 if param.stop else 0
-        num_sent_tokens = num_sent_chars = 0
+        request_id, seqs = request.request_id, request.seqs
+        params = seqs[0].params
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
+        ]
+        hold_back = max(len(stop) for stop in params.stop) - 1 if params.stop else 0
+        sent_tokens, sent_chars = [0] * len(seqs), [0] * len(seqs)
         try:
             with self._lock:
                 self.engine.add(request)
@@ -213,22 +217,27 @@ class LLM:
                         self._step()
                     output = self._finished.pop(request_id, None)
                     live = self.engine.has_request(request_id)
-                    new_tokens = seq.output_token_ids[num_sent_tokens:]
+                    new = [
+                        seq.output_token_ids[n:] for seq, n in zip(seqs, sent_tokens, strict=True)
+                    ]
                 if output is not None:
-                    yield StreamDelta(
-                        output.text[num_sent_chars:], output.token_ids[num_sent_tokens:]
-                    )
+                    for done in output.outputs:
+                        i = done.index
+                        yield StreamDelta(
+                            done.text[sent_chars[i] :], done.token_ids[sent_tokens[i] :], i
+                        )
                     return
                 if not live:
                     raise RuntimeError(f"request {request_id} was aborted")
-                if not new_tokens:
-                    continue
-                num_sent_tokens += len(new_tokens)
-                detokenizer.step(new_tokens)
-                visible = max(num_sent_chars, len(detokenizer.text) - hold_back)
-                delta = detokenizer.text[num_sent_chars:visible]
-                num_sent_chars = visible
-                yield StreamDelta(delta, list(new_tokens))
+                for i, tokens in enumerate(new):
+                    if not tokens:
+                        continue
+                    sent_tokens[i] += len(tokens)
+                    detokenizers[i].step(tokens)
+                    text = detokenizers[i].text
+                    visible = max(sent_chars[i], len(text) - hold_back)
+                    delta, sent_chars[i] = text[sent_chars[i] : visible], visible
+                    yield StreamDelta(delta, list(tokens), i)
         finally:
             with self._lock:
                 self._finished.pop(request_id, None)

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
-from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode
+from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode, token_logprobs
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched.plan import Bucket, StepPlan
 
@@ -148,6 +148,26 @@ def _decode_steps(
     return jnp.pad(tokens, ((0, 0), (0, padding))), jnp.pad(last, (0, padding)), kv_cache
 
 
+def _logprob_step(logits, tokens, *, num_rows: int, num_top: int):
+    """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows."""
+    values = token_logprobs(logits, tokens[: logits.shape[0]], num_top)
+    return jnp.pad(values, ((0, num_rows - logits.shape[0]), (0, 0)))
+
+
+class StepResult(NamedTuple):
+    """What `ModelRunner.execute` hands back, on the device, not waited for.
+
+    Attributes:
+        tokens: [max_sampled_rows] int32 sampled tokens, row i the token of `plan.seqs[i]`
+            (rows past the plan's are 0); a plan of K > 1 decode steps: [K, max_sampled_rows].
+        logprobs: for a plan with `plan.logprobs`, [max_sampled_rows, 2 + 2 * max_logprobs]
+            (`sampler.token_logprobs`); else None.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array | None = None
+
+
 def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     """The packed array of `arrays`, as a shape to lower for."""
     size = sum(np.asarray(array).size for array in arrays)
@@ -209,6 +229,7 @@ class ModelRunner:
         mesh: the "tp" mesh (`sharding.make_mesh`).
         num_blocks, block_size: the KV cache's capacity.
         max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
+        max_logprobs: the top tokens whose logprobs a step with logprobs returns.
 
     Mutates: `execute` replaces `kv_cache` by the step's in-place-updated buffer; `compile`
     adds executables; `reset` forgets the steps in flight.
@@ -224,6 +245,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         max_sampled_rows: int,
+        max_logprobs: int = 20,
     ) -> None:
         self.config = config
         self.params = params
@@ -245,6 +267,10 @@ class ModelRunner:
             donate_argnums=1,
             compiler_options=COMPILER_OPTIONS,
         )
+        self._logprobs = jax.jit(
+            functools.partial(_logprob_step, num_rows=max_sampled_rows, num_top=max_logprobs),
+            out_shardings=self._replicated,
+        )
         self._sample = jax.jit(
             functools.partial(_sample_step, num_rows=max_sampled_rows),
             static_argnames="mode",
@@ -257,6 +283,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+        self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
@@ -277,28 +304,32 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        return sum(
-            map(
-                len,
-                (self._forward_executables, self._sample_executables, self._multi_step_executables),
-            )
+        executables = (
+            self._forward_executables,
+            self._sample_executables,
+            self._multi_step_executables,
+            self._logprob_executables,
         )
+        return sum(map(len, executables))
 
     def compile(
         self,
         buckets: Iterable[Bucket],
         use_tqdm: bool = True,
         sampler_modes: Iterable[str] = SAMPLER_MODES,
+        logprobs: bool = True,
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
-        model's and the sampler's in each of `sampler_modes`, or for a bucket of several decode
-        steps, one of both per sampler mode."""
+        model's, the sampler's in each of `sampler_modes` and (with `logprobs`) the logprobs',
+        or for a bucket of several decode steps, one of model and sampler per sampler mode."""
         buckets, sampler_modes = list(buckets), tuple(sampler_modes)
         single = [bucket for bucket in buckets if bucket.num_steps == 1]
         samplers = sorted(
             {(bucket.num_sampled, mode) for bucket in single for mode in sampler_modes}
             - set(self._sample_executables)
         )
+        logprob_rows = sorted({bucket.num_sampled for bucket in single} if logprobs else ())
+        logprob_rows = [rows for rows in logprob_rows if rows not in self._logprob_executables]
         single = [bucket for bucket in single if bucket not in self._forward_executables]
         multi = [
             (bucket, mode)
@@ -306,7 +337,7 @@ class ModelRunner:
             for mode in sampler_modes
             if bucket.num_steps > 1 and (bucket, mode) not in self._multi_step_executables
         ]
-        total = len(single) + len(samplers) + len(multi)
+        total = len(single) + len(samplers) + len(multi) + len(logprob_rows)
         with tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar:
             sampler_programs = {}
             for num_rows, mode in samplers:
@@ -316,6 +347,16 @@ class ModelRunner:
                 sampling = _shapes(SamplingInputs.padding(num_rows), self._replicated)
                 sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
             self._sample_executables |= _compile_all(sampler_programs, bar)
+            logprob_programs = {}
+            for num_rows in logprob_rows:
+                logits = jax.ShapeDtypeStruct(
+                    (num_rows, self.config.vocab_size), jnp.float32, sharding=self._replicated
+                )
+                tokens = jax.ShapeDtypeStruct(
+                    (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
+                )
+                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens)
+            self._logprob_executables |= _compile_all(logprob_programs, bar)
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
                 forward_programs = {}
@@ -368,39 +409,39 @@ class ModelRunner:
             )
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
-    def execute(self, plan: StepPlan) -> jax.Array:
-        """Dispatches one step; returns its sampled tokens without waiting for them.
-
-        Returns:
-            [max_sampled_rows] int32 sampled tokens on the device, row i the token of
-            `plan.seqs[i]`; rows past the plan's are 0. A plan of K > 1 decode steps: [K,
-            max_sampled_rows], those of each step.
-        """
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
+        without waiting for them."""
         bucket, sampling = plan.bucket, plan.sampling
         vocab = self.config.vocab_size
         mode = sampler_mode(
             sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, vocab
         )
-        if not self._has_executables(bucket, mode):
+        if not self._has_executables(bucket, mode, plan.logprobs):
             if self.warn_on_compile:
                 logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
-            self.compile([bucket], use_tqdm=False, sampler_modes=[mode])
+            self.compile([bucket], use_tqdm=False, sampler_modes=[mode], logprobs=plan.logprobs)
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
         arrays = (*plan.inputs, previous_rows(plan, previous_plan))
+        logprobs = None
         if bucket.num_steps > 1:
             arrays = (*arrays, plan.step_slots)
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
             tokens = last = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
+            if plan.logprobs:
+                logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens)
         self._previous = (plan, last)
-        return tokens
+        return StepResult(tokens, logprobs)
 
-    def _has_executables(self, bucket: Bucket, mode: str) -> bool:
+    def _has_executables(self, bucket: Bucket, mode: str, logprobs: bool) -> bool:
         if bucket.num_steps > 1:
             return (bucket, mode) in self._multi_step_executables
-        return bucket in self._forward_executables and (
-            (bucket.num_sampled, mode) in self._sample_executables
+        return (
+            bucket in self._forward_executables
+            and (bucket.num_sampled, mode) in self._sample_executables
+            and (not logprobs or bucket.num_sampled in self._logprob_executables)
         )
 
     def _run_steps(

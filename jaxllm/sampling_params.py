@@ -39,6 +39,11 @@ class SamplingParams:
         seed: makes this request's samples reproducible, whatever else is in the batch.
             Range [0, 2**64).
         skip_special_tokens: drop special tokens when decoding the text.
+        n: completions of the prompt; each draws from a stream of its own (seeded: the seed of
+            completion i is seed + i).
+        logprobs: return each generated token's log-probability and those of the `logprobs`
+            most likely tokens (0: the generated token's only); at most the LLM's
+            max_logprobs (default 20).
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -55,6 +60,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -188,6 +195,8 @@ _CHECKS: dict[str, Check] = {
         "None or a list of integers >= 0",
     ),
     "seed": (as_int, lambda seed: 0 <= seed < SEED_LIMIT, "None or an integer in [0, 2**64)"),
+    "n": (as_int, lambda n: 1 <= n <= 1024, "an integer in [1, 1024]"),
+    "logprobs": (as_int, lambda k: k >= 0, "None or an integer >= 0"),
 }
 # The fields whose None is a value of its own (not given).
-_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed"})
+_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed", "logprobs"})

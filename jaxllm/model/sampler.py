@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxllm.model.inputs import SamplingInputs
 
@@ -225,3 +226,16 @@ def _threshold_from_sorted(
     p_threshold = jnp.take_along_axis(descending, (num_kept - 1)[:, None], axis=-1)[:, 0]
     threshold = jnp.where(top_p < 1.0, jnp.maximum(p_threshold, k_threshold), k_threshold)
     return threshold, k_threshold
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> jax.Array:
+    """The log-softmax of raw logits [S, V] at the sampled tokens [S], as one float32 array
+    [S, 2 + 2 * num_top]: per row the token's logprob, its rank (1 + the tokens more likely),
+    the `num_top` most likely token ids, then their logprobs. NOTE: one array, one transfer to
+    the host; ids and ranks below 2**24 are exact in float32."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)  # [S, 1]
+    rank = 1 + jnp.sum(logprobs > chosen, axis=-1, keepdims=True)
+    top_logprobs, top_ids = lax.top_k(logprobs, num_top)
+    parts = (chosen, rank, top_ids, top_logprobs)
+    return jnp.concatenate([part.astype(jnp.float32) for part in parts], axis=-1)

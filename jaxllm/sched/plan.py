@@ -146,6 +146,7 @@ class StepPlan:
         sampling: the sampler's inputs, one row per sequence (padding rows are greedy).
         step_slots: [K, T] the KV slot of each row at each step of a decode plan of K > 1
             steps (row 0 is `inputs.slot_mapping`); -1 past a sequence's steps. None otherwise.
+        logprobs: a row that samples asks for the logprobs of its token.
     """
 
     seqs: list[Sequence]
@@ -156,6 +157,7 @@ class StepPlan:
     inputs: ModelInputs
     sampling: SamplingInputs
     step_slots: np.ndarray | None = None
+    logprobs: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -211,7 +213,10 @@ def plan_step(
     step_slots = None
     if num_steps > 1:
         step_slots = _step_slots(tables, starts_array, np.array(counts), block_size, bucket)
-    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling, step_slots)
+    logprobs = any(
+        s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
+    )
+    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs)
 
 
 def _step_slots(

@@ -171,7 +171,10 @@ class Scheduler:
         return plan
 
     def update(
-        self, plan: StepPlan, sampled_token_ids: SequenceOf[int] | np.ndarray
+        self,
+        plan: StepPlan,
+        sampled_token_ids: SequenceOf[int] | np.ndarray,
+        logprobs: np.ndarray | None = None,
     ) -> list[Sequence]:
         """Applies a step's sampled tokens; returns the sequences that finished.
 
@@ -180,6 +183,8 @@ class Scheduler:
             sampled_token_ids: [S >= plan.num_seqs] the step's sampled tokens in row order, or
                 [K, S] those of a decode plan's K steps (row i's own: the first
                 `plan.num_new_tokens[i]`); padding rows and rows that do not sample are ignored.
+            logprobs: [S, 2 + 2 * max_logprobs] the sampled tokens' logprobs of a plan with
+                `plan.logprobs` (`sampler.token_logprobs`), kept by the sequences that asked.
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
@@ -189,12 +194,13 @@ class Scheduler:
         tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
-        for seq, samples, row, count in zip(plan.seqs, plan.samples, tokens, counts, strict=True):
+        rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
+        for index, (seq, samples, row, count) in enumerate(rows):
             for token in row[:count] if samples else ():
                 if seq.is_finished:
                     break
                 position = seq.num_tokens
-                seq.append_token(token)
+                seq.append_token(token, None if logprobs is None else logprobs[index])
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
                 reason = self._finish_reason(seq, token)
@@ -246,6 +252,14 @@ class Scheduler:
                 add_chunk(seq)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            parent = seq.parent
+            if (
+                parent is not None
+                and parent.status is SequenceStatus.RUNNING
+                and parent.num_computed_tokens < parent.num_prompt_tokens
+                and cfg.enable_prefix_caching
+            ):
+                break  # its prompt's blocks will be in the prefix cache once the parent's are
             if not self._admit(seq):
                 break
             self.waiting.popleft()
@@ -281,7 +295,12 @@ class Scheduler:
         `ladder.multi_step_max_seqs` takes up to `num_scheduler_steps` tokens each (as many as
         each has left), if the blocks for all of them are free."""
         running = self.running
-        if running and not self.waiting and len(running) <= self.ladder.multi_step_max_seqs:
+        if (
+            running
+            and not self.waiting
+            and len(running) <= self.ladder.multi_step_max_seqs
+            and all(seq.params.logprobs is None for seq in running)
+        ):
             counts = [
                 min(
                     self.ladder.num_steps,

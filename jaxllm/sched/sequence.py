@@ -43,6 +43,10 @@ class Sequence:
         block_hashes: chained hashes of the sequence's full blocks computed so far.
         stop_token_ids: tokens that end it once min_tokens were generated (eos unless
             ignore_eos, plus params.stop_token_ids).
+        output_logprobs: with params.logprobs, each output token's row of the device's
+            logprobs (`runner.StepResult.logprobs`).
+        parent: another completion of the same request, whose prompt this one waits to find
+            in the prefix cache while it is being prefilled; None for the first.
     """
 
     __slots__ = (
@@ -56,8 +60,10 @@ class Sequence:
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens",
+        "output_logprobs",
         "output_token_ids",
         "params",
+        "parent",
         "seq_id",
         "status",
         "stop_strings",
@@ -85,6 +91,8 @@ class Sequence:
         self.num_prompt_tokens = num_prompt
         self.num_tokens = num_prompt
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[np.ndarray] = []
+        self.parent: Sequence | None = None
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
@@ -116,11 +124,14 @@ class Sequence:
         """The token at `position`, or 0 for the one still on its way back from the device."""
         return int(self._tokens[position])
 
-    def append_token(self, token_id: int) -> None:
-        """Appends one generated token (mutates the tokens, never the KV bookkeeping)."""
+    def append_token(self, token_id: int, logprobs: np.ndarray | None = None) -> None:
+        """Appends one generated token, and its logprobs if the sequence asked for them
+        (mutates the tokens, never the KV bookkeeping)."""
         self._tokens[self.num_tokens] = token_id
         self.num_tokens += 1
         self.output_token_ids.append(token_id)
+        if logprobs is not None and self.params.logprobs is not None:
+            self.output_logprobs.append(logprobs)
 
     def __repr__(self) -> str:
         return (

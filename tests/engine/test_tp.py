@@ -234,3 +234,22 @@ if __name__ == "__main__":
     args = parser.parse_args()
     process_id, port, model, out = args.worker
     _worker(int(process_id), int(port), model, out)
+
+
+def test_logprobs_at_tp2_equal_tp1(checkpoint):
+    from support.engine import make_llm_with
+
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
+    runs = []
+    for tp in (1, 2):
+        llm = make_llm_with(checkpoint[0], None, tensor_parallel_size=tp, **SETTINGS)
+        runs.append(
+            [out.outputs[0] for out in llm.generate(make_prompts(), params, use_tqdm=False)]
+        )
+    for one, two in zip(*runs, strict=True):
+        assert one.token_ids == two.token_ids
+        for a, b in zip(one.logprobs, two.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[i].logprob - b[i].logprob) < 1e-4 for i in a)

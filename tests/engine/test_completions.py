@@ -1,0 +1,66 @@
+"""Several completions of one prompt (`SamplingParams.n`): one prefill whose blocks the others
+find in the prefix cache, a stream of samples each, streamed per completion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.engine import BLOCK_SIZE, assert_idle, greedy_params
+from support.hf import VOCAB_SIZE
+
+from jaxllm import SamplingParams
+
+
+def test_n_greedy_completions_share_one_prefill(make_llm, greedy_prompts, greedy_reference):
+    llm = make_llm()
+    prompt, expected = greedy_prompts[7], greedy_reference[7]  # 100 tokens: 6 full blocks
+    hits_before = llm.cache_stats().num_hit_tokens
+    prefilled_before = llm.engine.stats.prefill.tokens
+
+    (output,) = llm.generate(prompt, greedy_params(n=8), use_tqdm=False)
+
+    assert [c.index for c in output.outputs] == list(range(8))
+    assert all(c.token_ids == expected for c in output.outputs)
+    assert output.token_ids == expected  # the first completion's
+    full_blocks = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert llm.cache_stats().num_hit_tokens - hits_before == 7 * full_blocks
+    # One prefill of the prompt, then each other completion's tokens past its full blocks.
+    prefilled = llm.engine.stats.prefill.tokens - prefilled_before
+    assert prefilled == len(prompt) + 7 * (len(prompt) - full_blocks)
+    assert_idle(llm)
+
+
+def test_n_samples_are_streams_of_their_own(make_llm):
+    llm = make_llm()
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, VOCAB_SIZE, 40).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=10, n=4, seed=9, ignore_eos=True)
+
+    (alone,) = llm.generate(prompt, params, use_tqdm=False)
+    others = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (7, 60)]
+    batch = llm.generate([others[0], prompt, others[1]], params, use_tqdm=False)
+
+    samples = [c.token_ids for c in alone.outputs]
+    assert len({tuple(s) for s in samples}) == 4
+    assert [c.token_ids for c in batch[1].outputs] == samples
+    # Completion i draws the stream of seed + i.
+    single = SamplingParams(temperature=1.0, max_tokens=10, seed=9 + 2, ignore_eos=True)
+    assert llm.generate(prompt, single, use_tqdm=False)[0].token_ids == samples[2]
+    assert_idle(llm)
+
+
+def test_streamed_completions(text_llm):
+    params = SamplingParams(temperature=0.8, max_tokens=12, n=3, seed=1, ignore_eos=True)
+    (output,) = text_llm.generate("Once upon a time", params, use_tqdm=False)
+    texts, tokens = [""] * 3, [[], [], []]
+    for delta in text_llm.stream("Once upon a time", params):
+        texts[delta.index] += delta.text
+        tokens[delta.index] += delta.token_ids
+    assert texts == [c.text for c in output.outputs]
+    assert tokens == [c.token_ids for c in output.outputs]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_bad_n_is_refused(n):
+    with pytest.raises(ValueError, match=r"SamplingParams.n must be"):
+        SamplingParams(n=n)

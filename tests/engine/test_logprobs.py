@@ -1,0 +1,112 @@
+"""Logprobs of generated tokens equal transformers' log-softmax, whatever the scheduler does
+(prefix hits, chunked prefill, preemption, several decode steps per plan), and the outputs keep
+today's shortcuts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support.engine import assert_idle, greedy_params
+
+from jaxllm import SamplingParams
+
+NUM_TOKENS = 12
+TOP = 5
+
+SCHEDULES = {
+    "prefix-caching": {},
+    "chunked-prefill": {"max_num_batched_tokens": 48, "kvcache_block_size": 32},
+    "preemption": {"num_kvcache_blocks": 32, "eviction_policy": "mru"},
+    "multi-step": {"num_scheduler_steps": 4},  # plans with logprobs run one step
+}
+
+
+def reference_logprobs(checkpoint, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """[len(tokens), V] transformers' log-softmax before each generated token."""
+    with torch.no_grad():
+        logits = checkpoint.torch_model(torch.tensor([prompt + tokens])).logits[0]
+    logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def check_logprobs(request_output, reference: np.ndarray, num_top: int) -> None:
+    (output,) = request_output.outputs
+    assert len(output.logprobs) == len(output.token_ids) == len(reference)
+    for token, entries, expected in zip(output.token_ids, output.logprobs, reference, strict=True):
+        order = np.argsort(-expected, kind="stable")
+        assert entries[token].logprob == pytest.approx(expected[token], abs=1e-4)
+        assert entries[token].rank == 1 + int(np.sum(expected > expected[token] + 1e-6))
+        top = [i for i, entry in entries.items() if entry.rank <= num_top]
+        gaps = -np.diff(expected[order[: num_top + 1]])
+        if num_top and gaps.min() > 1e-4:  # no near-tie decides the top ids
+            assert sorted(top) == sorted(order[:num_top].tolist())
+        for i in top:
+            assert entries[i].logprob == pytest.approx(expected[i], abs=1e-4)
+    assert output.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(output.token_ids, output.logprobs, strict=True)), abs=1e-4
+    )
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_logprobs_equal_transformers(schedule, make_llm, checkpoint, greedy_prompts):
+    llm = make_llm(**SCHEDULES[schedule])
+    prompts = greedy_prompts[2:8]
+    params = greedy_params(NUM_TOKENS, logprobs=TOP)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if schedule == "prefix-caching":  # again, now from the prefix cache
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert sum(output.num_cached_tokens for output in outputs) > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        check_logprobs(output, reference_logprobs(checkpoint, prompt, output.token_ids), TOP)
+    assert_idle(llm)
+
+
+def test_sampled_tokens_logprobs_alone(llm, checkpoint, greedy_prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3, logprobs=0, ignore_eos=True)
+    (output,) = llm.generate(greedy_prompts[4], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert all(
+        list(entries) == [token]
+        for token, entries in zip(completion.token_ids, completion.logprobs, strict=True)
+    )
+    check_logprobs(output, reference_logprobs(checkpoint, greedy_prompts[4], output.token_ids), 0)
+    (plain,) = llm.generate(
+        greedy_prompts[4],
+        SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert plain.token_ids == output.token_ids  # asking for logprobs changes no sample
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+def test_outputs_and_their_shortcuts(llm, greedy_prompts):
+    (output,) = llm.generate(greedy_prompts[3], greedy_params(4, stop_token_ids=[]), use_tqdm=False)
+    (completion,) = output.outputs
+    assert (output.text, output.token_ids, output.finish_reason) == (
+        completion.text,
+        completion.token_ids,
+        completion.finish_reason,
+    )
+    assert output["text"] == completion.text and output["token_ids"] == completion.token_ids
+    assert completion.index == 0 and completion.stop_reason is None
+    with pytest.raises(KeyError):
+        output["nothing"]
+
+
+def test_stop_reason_names_the_stop_token(llm, greedy_prompts, greedy_reference):
+    stop = greedy_reference[5][3]
+    (output,) = llm.generate(
+        greedy_prompts[5], greedy_params(stop_token_ids=[stop]), use_tqdm=False
+    )
+    assert output.outputs[0].stop_reason == stop and output.finish_reason == "stop"
+
+
+def test_logprobs_above_the_cap_are_refused(llm, greedy_prompts):
+    with pytest.raises(
+        ValueError, match=r"SamplingParams.logprobs=21 is more than max_logprobs=20"
+    ):
+        llm.generate(greedy_prompts[0], greedy_params(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"SamplingParams.logprobs must be"):
+        SamplingParams(logprobs=-1)
+    assert_idle(llm)
