@@ -16,9 +16,10 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings, decode_tokens
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
-from jaxllm.runner import ModelRunner, StepResult
+from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
+from jaxllm.steps import StepResult
 
 
 @dataclass(eq=False)

@@ -125,13 +125,9 @@ class Scheduler:
         left after a step failed midway, when neither the pool's records nor the KV they point
         to can be trusted."""
         for seq in self._live.values():
-            seq.block_table = []
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
-        self.waiting.clear()
-        self.running.clear()
-        self.sampling_last.clear()
-        self._live.clear()
+            seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, "abort"
+        for queue in (self.waiting, self.running, self.sampling_last, self._live):
+            queue.clear()
         self.block_pool.reset()
 
     @property
@@ -252,13 +248,7 @@ class Scheduler:
                 add_chunk(seq)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            parent = seq.parent
-            if (
-                parent is not None
-                and parent.status is SequenceStatus.RUNNING
-                and parent.num_computed_tokens < parent.num_prompt_tokens
-                and cfg.enable_prefix_caching
-            ):
+            if cfg.enable_prefix_caching and seq.parent is not None and seq.parent.is_prefilling:
                 break  # its prompt's blocks will be in the prefix cache once the parent's are
             if not self._admit(seq):
                 break
@@ -291,35 +281,11 @@ class Scheduler:
 
     def _schedule_decode(self) -> tuple | None:
         """("decode", seqs, counts): one token for every running sequence, preempting the
-        newest when blocks run out; or None. With nothing waiting, a batch of at most
-        `ladder.multi_step_max_seqs` takes up to `num_scheduler_steps` tokens each (as many as
-        each has left), if the blocks for all of them are free."""
+        newest when blocks run out, or several (`_multi_step_counts`); or None."""
         running = self.running
-        if (
-            running
-            and not self.waiting
-            and len(running) <= self.ladder.multi_step_max_seqs
-            and all(seq.params.logprobs is None for seq in running)
-        ):
-            counts = [
-                min(
-                    self.ladder.num_steps,
-                    seq.max_tokens + seq.num_prompt_tokens - seq.num_computed_tokens - 1,
-                )
-                for seq in running
-            ]
-            size, pool = self.config.block_size, self.block_pool
-            needed = sum(
-                max(0, -(-(seq.num_computed_tokens + count) // size) - len(seq.block_table))
-                for seq, count in zip(running, counts, strict=True)
-            )
-            if needed <= pool.num_free_blocks:
-                for seq, count in zip(running, counts, strict=True):
-                    require(
-                        pool.append_slots(seq.block_table, seq.num_computed_tokens + count),
-                        f"{seq}: blocks counted free could not be taken",
-                    )
-                return "decode", list(running), counts
+        counts = self._multi_step_counts()
+        if counts is not None:
+            return "decode", list(running), counts
         index = 0
         while index < len(running):
             seq = running[index]
@@ -328,6 +294,30 @@ class Scheduler:
             else:
                 self._preempt(running.pop())
         return ("decode", list(running), [1] * len(running)) if running else None
+
+    def _multi_step_counts(self) -> list[int] | None:
+        """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
+        steps (as many as it has left), their blocks allocated; None, changing nothing, when
+        something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs, or the
+        blocks are not free."""
+        running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
+        wants_logprobs = any(seq.params.logprobs is not None for seq in running)
+        if (
+            self.waiting
+            or wants_logprobs
+            or not 0 < len(running) <= self.ladder.multi_step_max_seqs
+        ):
+            return None
+        ends, needed = [], 0
+        for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
+            end = min(seq.num_computed_tokens + steps, seq.num_prompt_tokens + seq.max_tokens - 1)
+            ends.append(end)
+            needed += max(0, -(-end // pool.block_size) - len(seq.block_table))
+        if needed > pool.num_free_blocks:
+            return None
+        for seq, end in zip(running, ends, strict=True):
+            pool.append_slots(seq.block_table, end)
+        return [end - seq.num_computed_tokens for seq, end in zip(running, ends, strict=True)]
 
     def _preempt(self, seq: Sequence) -> None:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks; it

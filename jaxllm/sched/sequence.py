@@ -44,7 +44,7 @@ class Sequence:
         stop_token_ids: tokens that end it once min_tokens were generated (eos unless
             ignore_eos, plus params.stop_token_ids).
         output_logprobs: with params.logprobs, each output token's row of the device's
-            logprobs (`runner.StepResult.logprobs`).
+            logprobs (`steps.StepResult.logprobs`).
         parent: another completion of the same request, whose prompt this one waits to find
             in the prefix cache while it is being prefilled; None for the first.
     """
@@ -123,6 +123,14 @@ class Sequence:
     def token_at(self, position: int) -> int:
         """The token at `position`, or 0 for the one still on its way back from the device."""
         return int(self._tokens[position])
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Running, with prompt tokens not yet computed."""
+        return (
+            self.status is SequenceStatus.RUNNING
+            and self.num_computed_tokens < self.num_prompt_tokens
+        )
 
     def append_token(self, token_id: int, logprobs: np.ndarray | None = None) -> None:
         """Appends one generated token, and its logprobs if the sequence asked for them

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.runner import pack, unpack
 from jaxllm.sched import Bucket
+from jaxllm.steps import pack, unpack
 
 
 def randomized(rng, arrays) -> list[np.ndarray]:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from support.sched import FakeDevice, Harness, make_config
 
-from jaxllm.runner import previous_rows
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler
+from jaxllm.steps import previous_rows
 
 
 def run_async(scheduler: Scheduler, max_steps: int = 2000) -> tuple[int, int]:

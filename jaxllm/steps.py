@@ -1,0 +1,143 @@
+"""The programs of one engine step, as `ModelRunner` compiles them, and the packing of their
+host inputs.
+
+A step's inputs travel packed into one int32 array (`pack`), unpacked inside the program;
+`previous_rows` names the rows whose input token the previous step sampled on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxllm.model.inputs import ModelInputs, SamplingInputs
+from jaxllm.model.sampler import sample, token_logprobs
+from jaxllm.sched.plan import Bucket, StepPlan
+
+
+def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:
+    """Host arrays of 4-byte dtypes as one flat int32 array. NOTE: each array handed to an
+    executable is a transfer of its own, tens of microseconds of the host's time per step."""
+    parts = []
+    for index, array in enumerate(arrays):
+        array = np.asarray(array)
+        if array.dtype.itemsize != 4:
+            raise ValueError(f"array {index} is {array.dtype}: only 4-byte dtypes are packed")
+        parts.append(array.reshape(-1).view(np.int32))
+    return np.concatenate(parts)
+
+
+def unpack(packed: jax.Array, like: Sequence[np.ndarray]) -> list[jax.Array]:
+    """The inverse of `pack`, traced: arrays of the shapes and dtypes of `like`."""
+    arrays, offset = [], 0
+    for array in like:
+        part = packed[offset : offset + array.size].reshape(array.shape)
+        dtype = jnp.dtype(array.dtype)
+        arrays.append(part if dtype == jnp.int32 else lax.bitcast_convert_type(part, dtype))
+        offset += array.size
+    return arrays
+
+
+def previous_rows(plan: StepPlan, previous: StepPlan | None) -> np.ndarray:
+    """[T] for each decode row of `plan` whose input token `previous` sampled, its row in that
+    step's output; -1 elsewhere. NOTE: the engine plans a step before it reads the previous
+    one's tokens, so such a token may not be on the host yet (the plan holds 0 for it); prefill
+    chunks never hold one."""
+    rows = np.full(plan.bucket.num_tokens, -1, np.int32)
+    if previous is None or plan.is_prefill:
+        return rows
+    sampled_at = {  # seq_id -> (row, the position of the token it samples)
+        seq.seq_id: (row, previous.start_positions[row] + previous.num_new_tokens[row])
+        for row, seq in enumerate(previous.seqs)
+        if previous.samples[row]
+    }
+    for row, (seq, start) in enumerate(zip(plan.seqs, plan.start_positions, strict=True)):
+        source = sampled_at.get(seq.seq_id)
+        if source is not None and source[1] == start:
+            rows[row] = source[0]
+    return rows
+
+
+def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
+    """The model step; `packed` holds its inputs, then `previous_rows`: a row naming a row of
+    the previous step's sampled tokens takes that token as its token id."""
+    inputs, _ = bucket.padding()
+    *arrays, rows = unpack(packed, (*inputs, np.zeros(bucket.num_tokens, np.int32)))
+    inputs = ModelInputs(*arrays)
+    from_previous = previous_tokens[jnp.maximum(rows, 0)]  # [T]
+    token_ids = jnp.where(rows >= 0, from_previous, inputs.token_ids)
+    return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
+
+
+def sample_step(logits, packed, *, num_rows: int, mode: str):
+    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
+    sampling = SamplingInputs(*unpack(packed, SamplingInputs.padding(logits.shape[0])))
+    tokens = sample(logits, sampling, mode=mode)
+    return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
+
+
+def decode_steps(
+    forward_fn,
+    params,
+    kv_cache,
+    packed,
+    packed_sampling,
+    previous_tokens,
+    *,
+    bucket,
+    mode,
+    num_rows,
+):
+    """A decode plan's K steps in one program: each step's sampled tokens are the next one's
+    inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
+    Returns the tokens of every step [K, num_rows], those of the last [num_rows], the cache."""
+    inputs, sampling_like = bucket.padding()
+    shape = (bucket.num_steps, bucket.num_tokens)
+    like = (*inputs, np.zeros(bucket.num_tokens, np.int32), np.zeros(shape, np.int32))
+    *arrays, rows, slots = unpack(packed, like)
+    inputs = ModelInputs(*arrays)
+    sampling = SamplingInputs(*unpack(packed_sampling, sampling_like))
+    token_ids = jnp.where(rows >= 0, previous_tokens[jnp.maximum(rows, 0)], inputs.token_ids)
+    live = inputs.context_lens > 0  # padding rows attend to nothing at any step
+
+    def step(j, carry):
+        kv_cache, token_ids, tokens = carry
+        step_inputs = inputs._replace(
+            token_ids=token_ids,
+            positions=inputs.positions + j,
+            slot_mapping=slots[j],
+            context_lens=jnp.where(live, inputs.context_lens + j, 0),
+        )
+        logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
+        sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)
+        return kv_cache, sampled, tokens.at[j].set(sampled)
+
+    tokens = jnp.zeros((bucket.num_steps, bucket.num_sampled), jnp.int32)
+    kv_cache, last, tokens = lax.fori_loop(0, bucket.num_steps, step, (kv_cache, token_ids, tokens))
+    padding = num_rows - bucket.num_sampled
+    return jnp.pad(tokens, ((0, 0), (0, padding))), jnp.pad(last, (0, padding)), kv_cache
+
+
+def logprob_step(logits, tokens, *, num_rows: int, num_top: int):
+    """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows."""
+    values = token_logprobs(logits, tokens[: logits.shape[0]], num_top)
+    return jnp.pad(values, ((0, num_rows - logits.shape[0]), (0, 0)))
+
+
+class StepResult(NamedTuple):
+    """What `ModelRunner.execute` hands back, on the device, not waited for.
+
+    Attributes:
+        tokens: [max_sampled_rows] int32 sampled tokens, row i the token of `plan.seqs[i]`
+            (rows past the plan's are 0); a plan of K > 1 decode steps: [K, max_sampled_rows].
+        logprobs: for a plan with `plan.logprobs`, [max_sampled_rows, 2 + 2 * max_logprobs]
+            (`sampler.token_logprobs`); else None.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array | None = None
