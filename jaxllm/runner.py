@@ -147,7 +147,11 @@ class ModelRunner:
             compiler_options=COMPILER_OPTIONS,
         )
         self._logprobs = jax.jit(
-            functools.partial(steps.logprob_step, num_rows=max_sampled_rows, num_top=max_logprobs),
+            functools.partial(
+                steps.logprob_step,
+                num_rows=max_sampled_rows,
+                num_top=min(max_logprobs, config.vocab_size),
+            ),
             out_shardings=self._replicated,
         )
         self._sample = jax.jit(
@@ -175,11 +179,11 @@ class ModelRunner:
         return kv_cache
 
     def reset(self) -> None:
-        """Forgets the steps dispatched so far; a KV cache that a failed step's donation deleted
-        is allocated again (empty: the scheduler's reset drops what it cached)."""
-        self._previous = None
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache)):
-            self.kv_cache = self._allocate_kv_cache()
+        """Forgets the steps dispatched so far and allocates the KV cache again (empty: the
+        scheduler's reset drops what it cached): a failed step may have deleted it by donation,
+        or left it in an error state."""
+        self._previous = self.kv_cache = None  # NOTE: freed before its successor is allocated
+        self.kv_cache = self._allocate_kv_cache()
 
     @property
     def num_executables(self) -> int:

@@ -103,7 +103,6 @@ def decode_steps(
     inputs = ModelInputs(*arrays)
     sampling = SamplingInputs(*unpack(packed_sampling, sampling_like))
     token_ids = jnp.where(rows >= 0, previous_tokens[jnp.maximum(rows, 0)], inputs.token_ids)
-    live = inputs.context_lens > 0  # padding rows attend to nothing at any step
 
     def step(j, carry):
         kv_cache, token_ids, tokens = carry
@@ -111,7 +110,9 @@ def decode_steps(
             token_ids=token_ids,
             positions=inputs.positions + j,
             slot_mapping=slots[j],
-            context_lens=jnp.where(live, inputs.context_lens + j, 0),
+            # NOTE: a row past its steps (slot -1), like padding, attends to nothing: its
+            # context would run past its block table.
+            context_lens=jnp.where(slots[j] >= 0, inputs.context_lens + j, 0),
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
         sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)

@@ -189,3 +189,17 @@ def test_greedy_requests_in_a_padded_bucket_take_the_greedy_sampler():
             )
             == "greedy"
         )
+
+
+def test_multi_step_rows_past_their_steps_attend_within_their_table():
+    """A sequence with fewer tokens left than the plan's steps: its later steps write nowhere
+    and attend to nothing, so no context runs past its block table (the fake device checks)."""
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    seq = make_seq(scheduler, 6, max_tokens=3)
+    harness = Harness(scheduler)
+    plans = [harness.step()[0] for _ in range(2)]
+    multi = plans[1]
+    assert multi.bucket.num_steps == 4 and multi.num_new_tokens == [2]
+    assert multi.step_slots[:, 0].tolist()[2:] == [-1, -1]
+    harness.run()
+    assert seq.output_token_ids and seq.finish_reason == "length"

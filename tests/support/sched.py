@@ -87,11 +87,10 @@ class FakeDevice:
             return self._step(plan.num_seqs, inputs, token_ids)
         steps = []
         for j in range(plan.bucket.num_steps):
-            live = inputs.context_lens > 0
             step_inputs = inputs._replace(
                 positions=inputs.positions + j,
                 slot_mapping=plan.step_slots[j],
-                context_lens=np.where(live, inputs.context_lens + j, 0),
+                context_lens=np.where(plan.step_slots[j] >= 0, inputs.context_lens + j, 0),
             )
             steps.append(self._step(plan.num_seqs, step_inputs, token_ids))
             token_ids = np.zeros_like(token_ids)
@@ -104,6 +103,7 @@ class FakeDevice:
         row_identity = {}
         for g in range(inputs.block_tables.shape[0]):
             table = inputs.block_tables[g]
+            assert inputs.context_lens[g] <= len(table) * size, "a context past its table"
             for row in range(g * tile, (g + 1) * tile):
                 slot = int(inputs.slot_mapping[row])
                 if slot < 0:
@@ -191,16 +191,22 @@ def assert_plan_contract(plan: StepPlan, config: SchedulerConfig) -> None:
     size = config.block_size
     real_rows = set()
     row = 0
-    for i, (seq, start, count) in enumerate(
+    num_steps = plan.bucket.num_steps
+    for i, (seq, start, own_steps) in enumerate(
         zip(plan.seqs, plan.start_positions, plan.num_new_tokens, strict=True)
     ):
+        count = 1 if num_steps > 1 else own_steps  # a row per step of a decode plan
         padded = -(-count // tile) * tile
         pad = padded - count
         # NOTE: the plan's table, as planned: since, a sequence whose last token this plan
         # samples gave its blocks back, and a block computed twice in one step was merged into
         # the cached one (the fake device checks that every token read the right K/V).
         table = inputs.block_tables[row // tile].tolist()
-        assert len(table) >= -(-(start + count) // size)
+        assert len(table) >= -(-(start + own_steps) // size)
+        for j in range(1, num_steps):  # the later steps' slots: -1 past the row's own steps
+            pos = start + j
+            expected = table[pos // size] * size + pos % size if j < own_steps else -1
+            assert plan.step_slots[j, row] == expected
         for k in range(count):
             r = row + pad + k
             pos = start + k
