@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine import BLOCK_SIZE, assert_idle, greedy_params
+from support.engine import BLOCK_SIZE, NUM_GREEDY_TOKENS, assert_idle, greedy_params
 from support.hf import VOCAB_SIZE
 
 from jaxllm import SamplingParams
 
 
-def test_n_greedy_completions_share_one_prefill(make_llm, greedy_prompts, greedy_reference):
+def test_n_greedy_completions_share_one_prefill(make_llm, checkpoint):
     llm = make_llm()
-    prompt, expected = greedy_prompts[7], greedy_reference[7]  # 100 tokens: 6 full blocks
+    prompt = np.random.default_rng(11).integers(0, VOCAB_SIZE, 100).tolist()  # 6 full blocks
+    expected = checkpoint.greedy(prompt, NUM_GREEDY_TOKENS)
     hits_before = llm.cache_stats().num_hit_tokens
     prefilled_before = llm.engine.stats.prefill.tokens
 
