@@ -170,9 +170,9 @@ class Engine:
             self._by_seq.pop(seq.seq_id, None)
 
     def reset(self) -> None:
-        """Drops every request, the step in flight and the prefix cache; a KV cache deleted by a
-        failed donation is allocated again. What a step left half done cannot be trusted, so
-        the engine goes back to the state of a fresh one, which serves new requests alike."""
+        """Drops every request, the step in flight, the prefix cache and the KV cache (allocated
+        anew). What a step left half done cannot be trusted, so the engine goes back to the
+        state of a fresh one, which serves new requests alike."""
         self._in_flight = None
         self._requests.clear()
         self._by_seq.clear()
