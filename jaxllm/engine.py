@@ -15,7 +15,14 @@ import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings, decode_tokens
-from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
@@ -134,10 +141,17 @@ class Engine:
             ValueError: a token id outside the vocabulary, logprobs above max_logprobs, or a
                 request the scheduler refuses (`Scheduler.new_sequence`).
         """
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than max_logprobs="
+                    f"{self.config.max_logprobs} (an LLM setting)"
+                )
+        if params.prompt_logprobs is not None and not self.scheduler.ladder.all_rows_tokens:
             raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} is more than max_logprobs="
-                f"{self.config.max_logprobs} (an LLM setting)"
+                "SamplingParams.prompt_logprobs needs a prefill chunk no longer than the most "
+                "sampled rows of a step; raise max_num_seqs"
             )
         vocab = self.runner.config.vocab_size
         ids = np.asarray(prompt_token_ids)
@@ -253,7 +267,15 @@ class Engine:
             ],
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=request.metrics,
+            prompt_logprobs=self._prompt_logprobs(first),
         )
+
+    def _prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
+        wanted = seq.params.prompt_logprobs
+        if wanted is None:
+            return None
+        tokens = seq.prompt_token_ids[1:]
+        return [None, *self._logprobs(tokens, seq.prompt_logprobs[: len(tokens)], wanted)]
 
     def _completion(
         self, index: int, seq: Sequence, stop_strings: StopStrings | None
@@ -274,7 +296,8 @@ class Engine:
             stop_reason=self._stop_reason(seq, stop_strings),
         )
         if seq.params.logprobs is not None:
-            completion.logprobs = self._logprobs(seq)
+            rows = seq.output_logprobs
+            completion.logprobs = self._logprobs(seq.output_token_ids, rows, seq.params.logprobs)
             completion.cumulative_logprob = float(sum(row[0] for row in seq.output_logprobs))
         return completion
 
@@ -288,12 +311,12 @@ class Engine:
         last = seq.output_token_ids[-1]
         return last if last in (seq.params.stop_token_ids or ()) else None
 
-    def _logprobs(self, seq: Sequence) -> SampleLogprobs:
-        """{token id: Logprob} of each output token and its `logprobs` most likely ones."""
+    def _logprobs(self, tokens: list[int], rows: list[np.ndarray], wanted: int) -> SampleLogprobs:
+        """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
+        of the device's logprobs (`sampler.token_logprobs`)."""
         decode = functools.cache(lambda token: decode_tokens(self.tokenizer, [token], False))
-        wanted = seq.params.logprobs
         result = []
-        for token, row in zip(seq.output_token_ids, seq.output_logprobs, strict=True):
+        for token, row in zip(tokens, rows, strict=True):
             num_top = (len(row) - 2) // 2
             ids, values = row[2 : 2 + wanted].astype(int), row[2 + num_top : 2 + num_top + wanted]
             entries = {

@@ -39,6 +39,8 @@ class Logprob(NamedTuple):
 
 # For each generated token: its own Logprob and those of the top alternatives, by token id.
 SampleLogprobs = list[dict[int, Logprob]]
+# The same for each prompt token, None for the first.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -79,6 +81,8 @@ class RequestOutput:
         outputs: the completions, by index.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: time to first token and total time.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, {token id: Logprob} of each
+            prompt token and of the most likely ones (None for the first token).
     """
 
     request_id: int
@@ -87,6 +91,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics = field(repr=False)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def text(self) -> str:

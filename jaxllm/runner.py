@@ -238,7 +238,8 @@ class ModelRunner:
                 tokens = jax.ShapeDtypeStruct(
                     (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
                 )
-                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens)
+                targets = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=self._replicated)
+                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens, targets)
             self._logprob_executables |= _compile_all(logprob_programs, bar)
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
@@ -314,7 +315,8 @@ class ModelRunner:
             logits = self._run_forward(bucket, arrays, previous_tokens)
             tokens = last = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
             if plan.logprobs:
-                logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens)
+                targets = self._on_devices(plan.logprob_targets)
+                logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens, targets)
         self._previous = (plan, last)
         return StepResult(tokens, logprobs)
 

@@ -44,6 +44,9 @@ class SamplingParams:
         logprobs: return each generated token's log-probability and those of the `logprobs`
             most likely tokens (0: the generated token's only); at most the LLM's
             max_logprobs (default 20).
+        prompt_logprobs: the same for every prompt token but the first (None there). The
+            prompt is then computed whole, without prefix-cache hits, in chunks of which every
+            row is sampled.
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -62,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -197,6 +201,7 @@ _CHECKS: dict[str, Check] = {
     "seed": (as_int, lambda seed: 0 <= seed < SEED_LIMIT, "None or an integer in [0, 2**64)"),
     "n": (as_int, lambda n: 1 <= n <= 1024, "an integer in [1, 1024]"),
     "logprobs": (as_int, lambda k: k >= 0, "None or an integer >= 0"),
+    "prompt_logprobs": (as_int, lambda k: k >= 0, "None or an integer >= 0"),
 }
 # The fields whose None is a value of its own (not given).
-_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed", "logprobs"})
+_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs"})

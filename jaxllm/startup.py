@@ -195,7 +195,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             mesh=mesh,
             num_blocks=num_blocks,
             block_size=block_size,
-            max_sampled_rows=max(bucket.num_sampled for bucket in ladder.buckets()),
+            max_sampled_rows=ladder.max_sampled_rows,
             max_logprobs=config.max_logprobs,
         )
     if config.compile_at_startup:

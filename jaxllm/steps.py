@@ -124,10 +124,13 @@ def decode_steps(
     return jnp.pad(tokens, ((0, 0), (0, padding))), jnp.pad(last, (0, padding)), kv_cache
 
 
-def logprob_step(logits, tokens, *, num_rows: int, num_top: int):
-    """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows."""
-    values = token_logprobs(logits, tokens[: logits.shape[0]], num_top)
-    return jnp.pad(values, ((0, num_rows - logits.shape[0]), (0, 0)))
+def logprob_step(logits, tokens, targets, *, num_rows: int, num_top: int):
+    """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows: of the token
+    each row sampled, or of its target where that is >= 0 (a prompt token)."""
+    num_sampled = logits.shape[0]
+    chosen = jnp.where(targets >= 0, targets, tokens[:num_sampled])
+    values = token_logprobs(logits, chosen, num_top)
+    return jnp.pad(values, ((0, num_rows - num_sampled), (0, 0)))
 
 
 class StepResult(NamedTuple):

@@ -111,12 +111,26 @@ class BucketLadder:
             raise ValueError(f"no decode bucket of {num_steps} steps for {num_seqs} sequences")
         return Bucket("decode", size, size, size, width, num_steps)
 
-    def prefill_bucket(self, num_padded_tokens: int, num_blocks: int) -> Bucket:
-        """The smallest prefill bucket holding `num_padded_tokens` (whole tiles)."""
+    @property
+    def max_sampled_rows(self) -> int:
+        """The most sampled rows of any bucket: every step returns this many."""
+        return max(self.decode_sizes[-1], self.prefill_sizes[-1] // self.prefill_tile)
+
+    @property
+    def all_rows_tokens(self) -> int:
+        """The longest prefill chunk whose every row can be sampled (for prompt logprobs): the
+        largest prefill size within `max_sampled_rows`; 0 if none is."""
+        return max((n for n in self.prefill_sizes if n <= self.max_sampled_rows), default=0)
+
+    def prefill_bucket(
+        self, num_padded_tokens: int, num_blocks: int, all_rows: bool = False
+    ) -> Bucket:
+        """The smallest prefill bucket holding `num_padded_tokens` (whole tiles); `all_rows`:
+        one that samples every row (S = T), compiled when first needed."""
         size = _round_up(self.prefill_sizes, num_padded_tokens, "prefill token count")
         width = _round_up(self.widths, num_blocks, "block-table width")
         num_tiles = size // self.prefill_tile
-        return Bucket("prefill", size, num_tiles, num_tiles, width)
+        return Bucket("prefill", size, num_tiles, size if all_rows else num_tiles, width)
 
     def buckets(self) -> list[Bucket]:
         """Every shape a step can have: what the engine compiles at start-up."""
@@ -146,7 +160,10 @@ class StepPlan:
         sampling: the sampler's inputs, one row per sequence (padding rows are greedy).
         step_slots: [K, T] the KV slot of each row at each step of a decode plan of K > 1
             steps (row 0 is `inputs.slot_mapping`); -1 past a sequence's steps. None otherwise.
-        logprobs: a row that samples asks for the logprobs of its token.
+        logprobs: a row that samples asks for the logprobs of its token, or the plan samples
+            every row of a prompt-logprobs chunk (`all_rows`).
+        logprob_targets: [S] the token whose logprob each sampled row reports: -1 for the token
+            it samples, else (a prompt-logprobs chunk) the prompt token after its position.
     """
 
     seqs: list[Sequence]
@@ -158,6 +175,13 @@ class StepPlan:
     sampling: SamplingInputs
     step_slots: np.ndarray | None = None
     logprobs: bool = False
+    logprob_targets: np.ndarray | None = None
+
+    @property
+    def all_rows(self) -> bool:
+        """A prefill chunk of one sequence whose every row is sampled (prompt logprobs); its
+        sampled rows are the chunk's last row, then the others in order."""
+        return self.is_prefill and self.bucket.num_sampled == self.bucket.num_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -181,6 +205,7 @@ def plan_step(
     starts: list[int],
     counts: list[int],
     num_steps: int = 1,
+    all_rows: bool = False,
 ) -> StepPlan:
     """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
     `seqs[i]`, its arrays padded to the smallest bucket. A decode plan computes one token per
@@ -198,13 +223,21 @@ def plan_step(
     else:
         tile = ladder.prefill_tile
         num_tiles = -(-counts_array // tile)
-        bucket = ladder.prefill_bucket(int(num_tiles.sum()) * tile, tables.shape[1])
+        bucket = ladder.prefill_bucket(int(num_tiles.sum()) * tile, tables.shape[1], all_rows)
         token_ids = np.concatenate(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
     inputs, _ = bucket.padding()
     rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
+    targets = np.full(bucket.num_sampled, -1, np.int32)
+    if all_rows:  # one sequence: its last row first, then the others, each with its next token
+        (seq,) = seqs
+        order = np.concatenate([rows[-1:], rows[:-1]])
+        inputs.sample_indices[: len(order)] = order
+        following = inputs.positions[order] + 1
+        in_prompt = following < seq.num_prompt_tokens
+        targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
     seq_ends = list(zip(seqs, ends.tolist(), strict=True))
     # NOTE: a decode row always samples, also when its token is still on the device.
     samples = [kind == "decode" or end == seq.num_tokens for seq, end in seq_ends]
@@ -213,10 +246,12 @@ def plan_step(
     step_slots = None
     if num_steps > 1:
         step_slots = _step_slots(tables, starts_array, np.array(counts), block_size, bucket)
-    logprobs = any(
+    logprobs = all_rows or any(
         s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
     )
-    return StepPlan(seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs)
+    return StepPlan(
+        seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets
+    )
 
 
 def _step_slots(

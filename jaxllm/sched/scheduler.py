@@ -17,11 +17,12 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from jaxllm.cache.block_pool import BlockPool, CacheStats, require
+from jaxllm.cache.block_pool import BlockPool, CacheStats
 from jaxllm.cache.eviction import EvictionPolicy
 from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.config import SchedulerConfig
+from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import BucketLadder, StepPlan, plan_step
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
@@ -158,7 +159,10 @@ class Scheduler:
         kind, seqs, counts = chunks
         starts = [seq.num_computed_tokens for seq in seqs]
         num_steps = self.ladder.num_steps if kind == "decode" and max(counts) > 1 else 1
-        plan = plan_step(self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps)
+        all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
+        plan = plan_step(
+            self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows
+        )
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -190,6 +194,8 @@ class Scheduler:
         tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
+        if plan.all_rows and logprobs is not None:
+            self._keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
         for index, (seq, samples, row, count) in enumerate(rows):
             for token in row[:count] if samples else ():
@@ -204,6 +210,17 @@ class Scheduler:
                     self._finish(seq, reason)
                     finished.append(seq)
         return finished
+
+    @staticmethod
+    def _keep_prompt_logprobs(plan: StepPlan, logprobs: np.ndarray) -> None:
+        """Appends the logprobs of the prompt tokens an all-rows chunk computed to its sequence
+        (a preempted sequence computing them again keeps the first ones)."""
+        (seq,) = plan.seqs
+        rows = plan.inputs.sample_indices[: plan.num_tokens]
+        following = plan.inputs.positions[rows] + 1
+        for index in np.argsort(following):
+            if following[index] == len(seq.prompt_logprobs) + 1 < seq.num_prompt_tokens:
+                seq.prompt_logprobs.append(logprobs[index])
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `seq` ends with its newest token `token`, if it does."""
@@ -241,6 +258,12 @@ class Scheduler:
             seqs.append(seq)
             counts.append(count)
 
+        # NOTE: a chunk whose prompt logprobs are wanted has every row sampled: it goes alone.
+        for seq in self.running:
+            if seq.wants_prompt_logprobs and seq.num_tokens - seq.num_computed_tokens > 1:
+                budget = self.ladder.all_rows_tokens
+                add_chunk(seq)
+                return "prefill", seqs, counts
         for seq in self.running:
             if budget == 0:
                 break
@@ -248,12 +271,18 @@ class Scheduler:
                 add_chunk(seq)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.wants_prompt_logprobs and seqs:
+                break
             if cfg.enable_prefix_caching and seq.parent is not None and seq.parent.is_prefilling:
                 break  # its prompt's blocks will be in the prefix cache once the parent's are
             if not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.wants_prompt_logprobs:
+                budget = self.ladder.all_rows_tokens
+                add_chunk(seq)
+                break
             add_chunk(seq)
         return ("prefill", seqs, counts) if seqs else None
 
@@ -261,7 +290,7 @@ class Scheduler:
         """Gives `seq` blocks for all its tokens, reusing cached ones; False if they don't fit."""
         pool, size = self.block_pool, self.config.block_size
         hit: list[int] = []
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
             # NOTE: at least the last token is computed, so the step samples from its logits;
             # the hit stops at a block boundary so no write ever lands in a shared block.
             max_blocks = (seq.num_tokens - 1) // size
@@ -355,43 +384,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""
-        cfg, pool = self.config, self.block_pool
-        pool.check_integrity(seq.block_table for seq in self.running)
-        queues = (self.running, self.waiting, self.sampling_last)
-        ids = [seq.seq_id for queue in queues for seq in queue]
-        require(len(ids) == len(set(ids)), "a sequence is queued twice")
-        require(set(ids) == set(self._live), "the live set differs from the queues")
-        require(len(self.running) <= cfg.max_num_seqs, "more running sequences than max_num_seqs")
-        for seq in self.waiting:
-            require(seq.status is SequenceStatus.WAITING, f"{seq} in the waiting queue")
-            require(not seq.block_table and seq.num_computed_tokens == 0, f"{seq} holds blocks")
-        for seq in self.sampling_last:
-            require(seq.status is SequenceStatus.SAMPLING_LAST, f"{seq} sampling its last token")
-            require(not seq.block_table, f"{seq} holds blocks")
-        size = cfg.block_size
-        for seq in self.running:
-            require(seq.status is SequenceStatus.RUNNING, f"{seq} in the running list")
-            num_full = seq.num_computed_tokens // size
-            # NOTE: a planned step may compute the token the step before is still sampling.
-            longest = max(seq.num_tokens, seq.num_computed_tokens)
-            require(
-                -(-seq.num_computed_tokens // size) <= len(seq.block_table) <= -(-longest // size),
-                f"{seq}: block table does not match its tokens",
-            )
-            require(
-                seq.num_computed_tokens <= seq.num_tokens + self.ladder.num_steps,
-                f"{seq}: computes tokens that were never sampled",
-            )
-            for index, block_id in enumerate(seq.block_table):
-                block_hash = pool.block_hash(block_id)
-                if index < num_full:
-                    require(
-                        block_hash is None or block_hash == seq.block_hashes[index],
-                        f"{seq}: block {block_id} caches another prefix",
-                    )
-                else:
-                    # NOTE: a block still being written belongs to its sequence alone.
-                    require(
-                        block_hash is None and pool.ref_count(block_id) == 1,
-                        f"{seq}: block {block_id} is written but shared or cached",
-                    )
+        check_integrity(self)

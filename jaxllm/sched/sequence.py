@@ -45,6 +45,8 @@ class Sequence:
             ignore_eos, plus params.stop_token_ids).
         output_logprobs: with params.logprobs, each output token's row of the device's
             logprobs (`steps.StepResult.logprobs`).
+        prompt_logprobs: with params.prompt_logprobs, the logprobs rows of prompt tokens 1, 2, ...
+            computed so far.
         parent: another completion of the same request, whose prompt this one waits to find
             in the prefix cache while it is being prefilled; None for the first.
     """
@@ -64,6 +66,7 @@ class Sequence:
         "output_token_ids",
         "params",
         "parent",
+        "prompt_logprobs",
         "seq_id",
         "status",
         "stop_strings",
@@ -93,6 +96,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[np.ndarray] = []
         self.parent: Sequence | None = None
+        self.prompt_logprobs: list[np.ndarray] = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
@@ -123,6 +127,12 @@ class Sequence:
     def token_at(self, position: int) -> int:
         """The token at `position`, or 0 for the one still on its way back from the device."""
         return int(self._tokens[position])
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs, and not all are computed yet."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_prefilling(self) -> bool:

@@ -4,6 +4,8 @@ today's shortcuts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -109,4 +111,36 @@ def test_logprobs_above_the_cap_are_refused(llm, greedy_prompts):
         llm.generate(greedy_prompts[0], greedy_params(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match=r"SamplingParams.logprobs must be"):
         SamplingParams(logprobs=-1)
+    assert_idle(llm)
+
+
+def test_prompt_logprobs_equal_transformers(make_llm, checkpoint, greedy_prompts):
+    """Every prompt token's logprob and top ones, computed in chunks whose every row is sampled;
+    a prompt already in the prefix cache is computed again (no hits)."""
+    llm = make_llm()
+    prompts = [greedy_prompts[6], greedy_prompts[4], greedy_prompts[7]]  # 64, 17, 100 tokens
+    asking = greedy_params(4, prompt_logprobs=TOP, logprobs=1)
+    params = [asking, greedy_params(4), asking]
+    llm.generate(prompts, greedy_params(4), use_tqdm=False)  # fills the prefix cache
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, param in zip(prompts, outputs, params, strict=True):
+        if param.prompt_logprobs is None:
+            assert output.prompt_logprobs is None and output.num_cached_tokens > 0
+            continue
+        assert output.num_cached_tokens == 0
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        with torch.no_grad():
+            logits = checkpoint.torch_model(torch.tensor([prompt])).logits[0, :-1].double()
+        expected = torch.log_softmax(logits, dim=-1).numpy()  # [P - 1, V]: tokens 1 .. P - 1
+        completion = dataclasses.replace(
+            output.outputs[0],
+            token_ids=prompt[1:],
+            logprobs=output.prompt_logprobs[1:],
+            cumulative_logprob=sum(
+                lp[t].logprob for t, lp in zip(prompt[1:], output.prompt_logprobs[1:], strict=True)
+            ),
+        )
+        check_logprobs(dataclasses.replace(output, outputs=[completion]), expected, TOP)
+        reference = reference_logprobs(checkpoint, prompt, output.token_ids)
+        check_logprobs(output, reference, 1)  # the generated tokens' too
     assert_idle(llm)
