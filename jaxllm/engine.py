@@ -148,11 +148,6 @@ class Engine:
                     f"SamplingParams.{name}={value} is more than max_logprobs="
                     f"{self.config.max_logprobs} (an LLM setting)"
                 )
-        if params.prompt_logprobs is not None and not self.scheduler.ladder.all_rows_tokens:
-            raise ValueError(
-                "SamplingParams.prompt_logprobs needs a prefill chunk no longer than the most "
-                "sampled rows of a step; raise max_num_seqs"
-            )
         vocab = self.runner.config.vocab_size
         ids = np.asarray(prompt_token_ids)
         bad = ids[(ids < 0) | (ids >= vocab)] if ids.ndim == 1 and ids.size else ids[:0]

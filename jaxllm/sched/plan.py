@@ -113,14 +113,16 @@ class BucketLadder:
 
     @property
     def max_sampled_rows(self) -> int:
-        """The most sampled rows of any bucket: every step returns this many."""
-        return max(self.decode_sizes[-1], self.prefill_sizes[-1] // self.prefill_tile)
+        """The most sampled rows of any bucket, at least one prefill tile's (an all-rows chunk
+        of one tile): every step returns this many."""
+        largest = max(self.decode_sizes[-1], self.prefill_sizes[-1] // self.prefill_tile)
+        return max(largest, self.prefill_tile)
 
     @property
     def all_rows_tokens(self) -> int:
         """The longest prefill chunk whose every row can be sampled (for prompt logprobs): the
-        largest prefill size within `max_sampled_rows`; 0 if none is."""
-        return max((n for n in self.prefill_sizes if n <= self.max_sampled_rows), default=0)
+        largest prefill size within `max_sampled_rows`."""
+        return max(n for n in self.prefill_sizes if n <= self.max_sampled_rows)
 
     def prefill_bucket(
         self, num_padded_tokens: int, num_blocks: int, all_rows: bool = False
