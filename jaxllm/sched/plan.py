@@ -164,8 +164,9 @@ class StepPlan:
             steps (row 0 is `inputs.slot_mapping`); -1 past a sequence's steps. None otherwise.
         logprobs: a row that samples asks for the logprobs of its token, or the plan samples
             every row of a prompt-logprobs chunk (`all_rows`).
-        logprob_targets: [S] the token whose logprob each sampled row reports: -1 for the token
-            it samples, else (a prompt-logprobs chunk) the prompt token after its position.
+        logprob_targets: with `logprobs`, [S] the token whose logprob each sampled row reports:
+            -1 for the token it samples, else (a prompt-logprobs chunk) the prompt token after
+            its position; None otherwise.
     """
 
     seqs: list[Sequence]
@@ -232,14 +233,6 @@ def plan_step(
     inputs, _ = bucket.padding()
     rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
-    targets = np.full(bucket.num_sampled, -1, np.int32)
-    if all_rows:  # one sequence: its last row first, then the others, each with its next token
-        (seq,) = seqs
-        order = np.concatenate([rows[-1:], rows[:-1]])
-        inputs.sample_indices[: len(order)] = order
-        following = inputs.positions[order] + 1
-        in_prompt = following < seq.num_prompt_tokens
-        targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
     seq_ends = list(zip(seqs, ends.tolist(), strict=True))
     # NOTE: a decode row always samples, also when its token is still on the device.
     samples = [kind == "decode" or end == seq.num_tokens for seq, end in seq_ends]
@@ -251,6 +244,16 @@ def plan_step(
     logprobs = all_rows or any(
         s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
     )
+    targets = None
+    if logprobs:
+        targets = np.full(bucket.num_sampled, -1, np.int32)
+    if all_rows:  # one sequence: its last row first, then the others, each with its next token
+        (seq,) = seqs
+        order = np.concatenate([rows[-1:], rows[:-1]])
+        inputs.sample_indices[: len(order)] = order
+        following = inputs.positions[order] + 1
+        in_prompt = following < seq.num_prompt_tokens
+        targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
     return StepPlan(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets
     )

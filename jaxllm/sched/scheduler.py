@@ -330,12 +330,9 @@ class Scheduler:
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs, or the
         blocks are not free."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
-        wants_logprobs = any(seq.params.logprobs is not None for seq in running)
-        if (
-            self.waiting
-            or wants_logprobs
-            or not 0 < len(running) <= self.ladder.multi_step_max_seqs
-        ):
+        if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
+            return None
+        if any(seq.params.logprobs is not None for seq in running):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
