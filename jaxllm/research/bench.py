@@ -180,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         help="compile the whole ladder first (--no-compile-at-startup: as steps need them, "
         "for quick CPU runs; the timings then include compilation)",
     )
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="decode steps per executable when few sequences run (default: the platform's)",
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="every request asks for this many top logprobs per token",
+    )
     add_workload_arguments(parser, required=False)
     args = parser.parse_args(argv)
     for flag, value in (
@@ -236,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         num_kvcache_blocks=args.num_kvcache_blocks,
         eviction_policy=args.eviction_policy,
         compile_at_startup=args.compile_at_startup,
+        num_scheduler_steps=args.num_scheduler_steps,
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, logprobs=args.logprobs)
+        for n in max_tokens
+    ]
     # NOTE: a workload's warm-up leaves no block in the prefix cache (3 + 1 tokens), so the
     # run starts from the state the simulator assumes.
     warmup_tokens = 1 if requests else SamplingParams().max_tokens
@@ -260,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "fixed_lengths": args.fixed_lengths,
         "tp": args.tp,
+        "num_scheduler_steps": llm.engine.config.num_scheduler_steps,
+        "logprobs": args.logprobs,
         "num_seqs": num_seqs,
         "output_tokens": total,
         "time_s": elapsed,
