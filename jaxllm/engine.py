@@ -126,6 +126,8 @@ class Engine:
         self.runner = runner
         self.compiled_at_startup = runner.num_compiled
         self.tokenizer = tokenizer
+        # Each token's text alone, as logprobs name it.
+        self._token_text = functools.cache(lambda token: decode_tokens(tokenizer, [token], False))
         self.startup_seconds = startup_seconds
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
@@ -309,15 +311,23 @@ class Engine:
     def _logprobs(self, tokens: list[int], rows: list[np.ndarray], wanted: int) -> SampleLogprobs:
         """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
         of the device's logprobs (`sampler.token_logprobs`)."""
-        decode = functools.cache(lambda token: decode_tokens(self.tokenizer, [token], False))
+        if not rows:
+            return []
+        table = np.stack(rows)
+        num_top = (table.shape[1] - 2) // 2
+        top_ids = table[:, 2 : 2 + wanted].astype(np.int64).tolist()
+        top_values = table[:, 2 + num_top : 2 + num_top + wanted].tolist()
+        text = self._token_text
         result = []
-        for token, row in zip(tokens, rows, strict=True):
-            num_top = (len(row) - 2) // 2
-            ids, values = row[2 : 2 + wanted].astype(int), row[2 + num_top : 2 + num_top + wanted]
+        for token, ids, values, value, rank in zip(
+            tokens, top_ids, top_values, table[:, 0].tolist(), table[:, 1].astype(int).tolist(),
+            strict=True,
+        ):  # fmt: skip
             entries = {
-                int(i): Logprob(float(v), rank, decode(int(i)))
-                for rank, (i, v) in enumerate(zip(ids, values, strict=True), 1)
+                i: Logprob(v, r, text(i))
+                for r, (i, v) in enumerate(zip(ids, values, strict=True), 1)
             }
-            entries.setdefault(token, Logprob(float(row[0]), int(row[1]), decode(token)))
+            if token not in entries:
+                entries[token] = Logprob(value, rank, text(token))
             result.append(entries)
         return result

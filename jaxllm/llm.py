@@ -67,6 +67,9 @@ class LLM:
                 "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
                 "or None (the embedded default)"
             )
+        # What earlier LLMs left (frozen below) can be collected again.
+        gc.unfreeze()
+        gc.collect()
         platform = Platform.detect()
         if model is None:
             kwargs = platform.default_engine_kwargs | kwargs
@@ -80,6 +83,11 @@ class LLM:
         # NOTE: outputs of requests finished by a step that another call ran (an interleaved
         # `stream`), kept until their caller asks.
         self._finished: dict[int, RequestOutput] = {}
+        # NOTE: start-up's objects (jax, transformers, the executables) live as long as the
+        # LLM; frozen, the collector's full passes while outputs pile up skip them (vLLM does
+        # the same). Logprobs=5 on CPU: 12.5 -> 5.7 us per output token.
+        gc.collect()
+        gc.freeze()
 
     @property
     def model_config(self) -> Qwen3Config:
@@ -390,7 +398,6 @@ def generate(
         key = (model, tuple(sorted(engine_kwargs.items())))
         if not _shared or _shared[0][0] != key:
             _shared.clear()
-            gc.collect()
             _shared.append((key, LLM(model, **engine_kwargs)))
         llm = _shared[0][1]
     return llm.generate(prompts, params, use_tqdm=use_tqdm)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.sampling import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
@@ -366,3 +368,21 @@ def test_the_top_k_mode_equals_the_general_sampler_with_ties_and_few_candidates(
         )
 
     np.testing.assert_array_equal(thresholds(16, False), thresholds(75, True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    vocab_size=st.integers(1, 300),
+    k=st.integers(1, 20),
+    block_size=st.sampled_from([1, 4, 32]),
+    levels=st.sampled_from([3, 1000]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_k_by_blocks_equals_lax_top_k(vocab_size, k, block_size, levels, seed):
+    """Values, ids and the order of ties (few levels: many) equal `lax.top_k`'s."""
+    k = min(k, vocab_size)
+    values = np.random.default_rng(seed).integers(0, levels, (5, vocab_size)).astype(np.float32)
+    top, ids = sampler_module.top_k(jnp.asarray(values), k, block_size)
+    expected_top, expected_ids = jax.lax.top_k(jnp.asarray(values), k)
+    np.testing.assert_array_equal(top, expected_top)
+    np.testing.assert_array_equal(ids, expected_ids)
