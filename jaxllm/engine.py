@@ -26,6 +26,7 @@ from jaxllm.outputs import (
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
+from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
 from jaxllm.steps import StepResult
 
 
@@ -157,13 +158,39 @@ class Engine:
             raise ValueError(
                 f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
             )
+        bad_words = self._check_processors(params)
         seqs, stop_strings = [], []
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
             stop_strings.append(StopStrings(self.tokenizer, child) if child.stop else None)
-            seqs.append(self.scheduler.new_sequence(prompt_token_ids, child, stop_strings[-1]))
+            processors = None
+            if params.processes_logits:
+                processors = SequenceProcessors(vocab, bad_words)
+            seqs.append(
+                self.scheduler.new_sequence(prompt_token_ids, child, stop_strings[-1], processors)
+            )
             seqs[-1].parent = seqs[0] if index else None
         return Request(seqs, prompt, RequestMetrics(arrival_time=0.0), stop_strings)
+
+    def _check_processors(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """The token ids of the bad words, after checking the token ids the params name.
+
+        Raises:
+            ValueError: a `logit_bias` key or an `allowed_token_ids` entry outside the
+                vocabulary, naming the field.
+        """
+        vocab = self.runner.config.vocab_size
+        for name, tokens in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            outside = [token for token in tokens if token >= vocab]
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{name} names token {outside[0]}, outside the model's "
+                    f"vocabulary [0, {vocab})"
+                )
+        return bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
 
     def add(self, request: Request) -> None:
         """Queues a request made by `new_request`."""
@@ -207,12 +234,17 @@ class Engine:
         """
         start = time.perf_counter()
         try:
+            outputs, wait_seconds = [], 0.0
+            if self._in_flight is not None and self.scheduler.needs_host_tokens:
+                in_flight, self._in_flight = self._in_flight, None
+                outputs, wait_seconds = self._update(*in_flight)
             plan = self.scheduler.schedule()
             dispatch_start = time.perf_counter()
             result = None if plan is None else self.runner.execute(plan)
             dispatch_seconds = time.perf_counter() - dispatch_start
             in_flight, self._in_flight = self._in_flight, None
-            outputs, wait_seconds = self._update(*in_flight) if in_flight else ([], 0.0)
+            if in_flight is not None:
+                outputs, wait_seconds = self._update(*in_flight)
         except BaseException:
             self.reset()
             raise

@@ -30,6 +30,7 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
+from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
@@ -110,6 +111,7 @@ class ModelRunner:
         num_blocks, block_size: the KV cache's capacity.
         max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
         max_logprobs: the top tokens whose logprobs a step with logprobs returns.
+        num_processor_slots: the logits processors' slots (`model.logits_processors`).
 
     Mutates: `execute` replaces `kv_cache` by the step's in-place-updated buffer; `compile`
     adds executables; `reset` forgets the steps in flight.
@@ -126,6 +128,7 @@ class ModelRunner:
         block_size: int,
         max_sampled_rows: int,
         max_logprobs: int = 20,
+        num_processor_slots: int = 1,
     ) -> None:
         self.config = config
         self.params = params
@@ -162,6 +165,9 @@ class ModelRunner:
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
+        self.processors = LogitsProcessors(
+            num_processor_slots, config.vocab_size, self._replicated, self._on_devices
+        )
         self._cache_shape = (num_blocks, block_size)
         self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
@@ -183,6 +189,7 @@ class ModelRunner:
         scheduler's reset drops what it cached): a failed step may have deleted it by donation,
         or left it in an error state."""
         self._previous = self.kv_cache = None  # NOTE: freed before its successor is allocated
+        self.processors.reset()
         self.kv_cache = self._allocate_kv_cache()
 
     @property
@@ -313,7 +320,13 @@ class ModelRunner:
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
-            tokens = last = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
+            if plan.processors is None:
+                tokens = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
+            else:
+                processed, rows = self.processors.apply(logits, plan.processors)
+                tokens = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
+                self.processors.count(rows, tokens)
+            last = tokens
             if plan.logprobs:
                 targets = self._on_devices(plan.logprob_targets)
                 logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens, targets)

@@ -47,6 +47,16 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token but the first (None there). The
             prompt is then computed whole, without prefix-cache hits, in chunks of which every
             row is sampled.
+        presence_penalty: subtracted from the logit of every token the output holds (vLLM's
+            meaning). Range [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time the output holds it.
+            Range [-2, 2].
+        repetition_penalty: divides the positive logits, and multiplies the negative ones, of
+            the tokens in the prompt or the output (1: off). Range (0, inf).
+        logit_bias: {token id: bias} added to those logits before the penalties.
+        allowed_token_ids: only these tokens may be sampled.
+        bad_words: words never generated: the last token of each word (and of the word after
+            a space) is banned whenever the output ends with the tokens before it.
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -66,6 +76,12 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -81,6 +97,18 @@ class SamplingParams:
                 f"{self.max_tokens}], got {shown(self.min_tokens)}"
             )
         object.__setattr__(self, "min_tokens", min_tokens)
+
+    @property
+    def processes_logits(self) -> bool:
+        """It asks for penalties, a logit bias, allowed tokens or bad words."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -175,6 +203,21 @@ def _token_id(value: object) -> int | None:
     return token if token is not None and token >= 0 else None
 
 
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """A dict of token ids (ints, or strings of them as JSON gives) to finite numbers."""
+    if not isinstance(value, dict):
+        return None
+    bias = {}
+    for token, number in value.items():
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        token, number = _token_id(token), as_real(number)
+        if token is None or number is None or not math.isfinite(number):
+            return None
+        bias[token] = number
+    return bias
+
+
 # What each field allows (see `check_fields`); min_tokens, bounded by max_tokens, is checked after.
 _CHECKS: dict[str, Check] = {
     "temperature": (
@@ -202,6 +245,39 @@ _CHECKS: dict[str, Check] = {
     "n": (as_int, lambda n: 1 <= n <= 1024, "an integer in [1, 1024]"),
     "logprobs": (as_int, lambda k: k >= 0, "None or an integer >= 0"),
     "prompt_logprobs": (as_int, lambda k: k >= 0, "None or an integer >= 0"),
+    "presence_penalty": (as_real, lambda p: -2.0 <= p <= 2.0, "a number in [-2, 2]"),
+    "frequency_penalty": (as_real, lambda p: -2.0 <= p <= 2.0, "a number in [-2, 2]"),
+    "repetition_penalty": (
+        as_real,
+        lambda p: 0.0 < p < math.inf,
+        "a finite number > 0 (1 is off)",
+    ),
+    "logit_bias": (
+        _logit_bias,
+        lambda _: True,
+        "None or a dict of token ids >= 0 to finite numbers",
+    ),
+    "allowed_token_ids": (
+        lambda ids: None if isinstance(ids, str) else _as_tuple(ids, _token_id),
+        bool,
+        "None or a non-empty list of integers >= 0",
+    ),
+    "bad_words": (
+        lambda words: _as_tuple(words, _stop_string),
+        lambda _: True,
+        "None, a non-empty string or a list of non-empty strings",
+    ),
 }
 # The fields whose None is a value of its own (not given).
-_OPTIONAL = frozenset({"stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs"})
+_OPTIONAL = frozenset(
+    {
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+    }
+)

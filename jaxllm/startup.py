@@ -197,6 +197,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             block_size=block_size,
             max_sampled_rows=ladder.max_sampled_rows,
             max_logprobs=config.max_logprobs,
+            num_processor_slots=config.max_num_seqs,
         )
     if config.compile_at_startup:
         with phase("compile"):

@@ -22,6 +22,11 @@ from jaxllm.sampling_params import SamplingParams
 
 # top_k travels as int32; any larger value means the same as the whole vocabulary.
 INT32_MAX = np.iinfo(np.int32).max
+# The logits processors' slots (`jaxllm.model.logits_processors`): a token's entry in the token
+# rows is its count in the output plus this bit where it is in the prompt; the columns of the
+# penalty rows.
+IN_PROMPT = 1 << 30
+PRESENCE, FREQUENCY, REPETITION = range(3)
 
 
 class ModelInputs(NamedTuple):

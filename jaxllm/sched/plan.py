@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.sched.config import SchedulerConfig
+from jaxllm.sched.processors import ProcessorPlan, processor_plan
 from jaxllm.sched.sequence import Sequence
 
 StepKind = Literal["prefill", "decode"]
@@ -167,6 +168,8 @@ class StepPlan:
         logprob_targets: with `logprobs`, [S] the token whose logprob each sampled row reports:
             -1 for the token it samples, else (a prompt-logprobs chunk) the prompt token after
             its position; None otherwise.
+        processors: the step's penalties, biases and bad words (`sched.processors`); None
+            when no row asks for any.
     """
 
     seqs: list[Sequence]
@@ -179,6 +182,7 @@ class StepPlan:
     step_slots: np.ndarray | None = None
     logprobs: bool = False
     logprob_targets: np.ndarray | None = None
+    processors: ProcessorPlan | None = None
 
     @property
     def all_rows(self) -> bool:
@@ -209,10 +213,12 @@ def plan_step(
     counts: list[int],
     num_steps: int = 1,
     all_rows: bool = False,
+    new_slots: frozenset[int] = frozenset(),
 ) -> StepPlan:
     """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
     `seqs[i]`, its arrays padded to the smallest bucket. A decode plan computes one token per
-    sequence in each of its `num_steps` steps, `counts[i]` <= `num_steps` of them its own."""
+    sequence in each of its `num_steps` steps, `counts[i]` <= `num_steps` of them its own.
+    `new_slots`: the ids of sequences whose logits processors' slot is written in this step."""
     starts_array = np.array(starts, dtype=np.int64)  # [n]
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
@@ -254,9 +260,11 @@ def plan_step(
         following = inputs.positions[order] + 1
         in_prompt = following < seq.num_prompt_tokens
         targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
+    processors = processor_plan(seqs, samples, bucket.num_sampled, new_slots)
     return StepPlan(
-        seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets
-    )
+        seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
+        processors,
+    )  # fmt: skip
 
 
 def _step_slots(

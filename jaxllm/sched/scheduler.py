@@ -24,6 +24,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import BucketLadder, StepPlan, plan_step
+from jaxllm.sched.processors import SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
 
@@ -59,6 +60,10 @@ class Scheduler:
         # again, so their blocks go back when that step is planned; `update` finishes them.
         self.sampling_last: list[Sequence] = []
         self.num_preemptions = 0
+        # The logits processors' slots (`sched.processors`): one per running sequence at most.
+        self._free_slots = list(range(config.max_num_seqs))
+        self._new_slots: set[int] = set()  # ids of the sequences given one since the last plan
+        self._num_needing_host_tokens = 0
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self._eos = frozenset(config.eos_token_ids)
@@ -68,6 +73,7 @@ class Scheduler:
         prompt_token_ids: SequenceOf[int] | np.ndarray,
         params: SamplingParams | None = None,
         stop_strings: StopStringCheck | None = None,
+        processors: SequenceProcessors | None = None,
     ) -> Sequence:
         """A request as a `Sequence`, not yet queued (`add` queues it); changes nothing else.
 
@@ -106,13 +112,15 @@ class Scheduler:
             stop_ids |= self._eos
         return Sequence(
             next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-            stop_strings=stop_strings,
+            stop_strings=stop_strings, processors=processors,
         )  # fmt: skip
 
     def add(self, seq: Sequence) -> None:
         """Queues a sequence made by `new_sequence` (mutates the waiting queue)."""
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
+        if seq.processors is not None and seq.processors.has_multi_token_words:
+            self._num_needing_host_tokens += 1
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes the live sequence `seq_id` with reason "abort"; None if there is none."""
@@ -127,9 +135,14 @@ class Scheduler:
         to can be trusted."""
         for seq in self._live.values():
             seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, "abort"
+            if seq.processors is not None:
+                seq.processors.slot = None
         for queue in (self.waiting, self.running, self.sampling_last, self._live):
             queue.clear()
         self.block_pool.reset()
+        self._free_slots = list(range(self.config.max_num_seqs))
+        self._new_slots.clear()
+        self._num_needing_host_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -137,6 +150,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A live sequence has bad words of several tokens, whose bans the plan computes from
+        its output: the engine applies a step's tokens before it plans the next."""
+        return self._num_needing_host_tokens > 0
 
     def stats(self) -> CacheStats:
         return self.block_pool.stats()
@@ -161,8 +180,10 @@ class Scheduler:
         num_steps = self.ladder.num_steps if kind == "decode" and max(counts) > 1 else 1
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
         plan = plan_step(
-            self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows
-        )
+            self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows,
+            frozenset(self._new_slots),
+        )  # fmt: skip
+        self._new_slots.clear()
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -306,6 +327,9 @@ class Scheduler:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
+        if seq.processors is not None:
+            seq.processors.slot = self._free_slots.pop()
+            self._new_slots.add(seq.seq_id)
         return True
 
     def _schedule_decode(self) -> tuple | None:
@@ -332,7 +356,7 @@ class Scheduler:
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if any(seq.params.logprobs is not None for seq in running):
+        if any(seq.params.logprobs is not None or seq.processors for seq in running):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
@@ -349,6 +373,7 @@ class Scheduler:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks; it
         keeps its tokens and block hashes, and prefills again (mostly from the prefix cache)."""
         self.block_pool.free(seq.block_table)
+        self._free_slot(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -361,6 +386,7 @@ class Scheduler:
         freed (the planned step still writes them: any later step runs after it)."""
         self.running.remove(seq)
         self.block_pool.free(seq.block_table)
+        self._free_slot(seq)
         seq.block_table = []
         seq.status = SequenceStatus.SAMPLING_LAST
         self.sampling_last.append(seq)
@@ -374,10 +400,21 @@ class Scheduler:
         }[seq.status]
         queue.remove(seq)
         self.block_pool.free(seq.block_table)
+        self._free_slot(seq)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
+        if seq.processors is not None and seq.processors.has_multi_token_words:
+            self._num_needing_host_tokens -= 1
+
+    def _free_slot(self, seq: Sequence) -> None:
+        """Gives back its logits processors' slot, if it holds one: a step planned later, which
+        may write the slot anew, runs after every step that used it."""
+        if seq.processors is not None and seq.processors.slot is not None:
+            self._free_slots.append(seq.processors.slot)
+            seq.processors.slot = None
+            self._new_slots.discard(seq.seq_id)
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""

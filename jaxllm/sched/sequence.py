@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched.processors import SequenceProcessors
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -47,6 +48,8 @@ class Sequence:
             logprobs (`steps.StepResult.logprobs`).
         prompt_logprobs: with params.prompt_logprobs, the logprobs rows of prompt tokens 1, 2, ...
             computed so far.
+        processors: its logits processors' host side (slot, bad words); None when its
+            params ask for none.
         parent: another completion of the same request, whose prompt this one waits to find
             in the prefix cache while it is being prefilled; None for the first.
     """
@@ -66,6 +69,7 @@ class Sequence:
         "output_token_ids",
         "params",
         "parent",
+        "processors",
         "prompt_logprobs",
         "seq_id",
         "status",
@@ -82,6 +86,7 @@ class Sequence:
         max_tokens: int,
         stop_token_ids: frozenset[int] = frozenset(),
         stop_strings: StopStringCheck | None = None,
+        processors: SequenceProcessors | None = None,
     ) -> None:
         num_prompt = len(prompt_token_ids)
         self.seq_id = seq_id
@@ -89,6 +94,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
         self.stop_strings = stop_strings
+        self.processors = processors
         self._tokens = np.zeros(num_prompt + max_tokens, dtype=np.int32)
         self._tokens[:num_prompt] = prompt_token_ids
         self.num_prompt_tokens = num_prompt

@@ -1,0 +1,154 @@
+"""Penalties, logit bias, allowed tokens and bad words, applied on the device in vLLM's order.
+
+A sequence that asks for any of them holds a *slot*: one row of each `ProcessorState` array,
+written whole when it is admitted (`write_slot`, from what the host knows), then kept on the
+device: each step adds the sampled tokens to their rows' counts (`count_tokens`). A step's
+`rows` [S] name each sampled row's slot, -1 for a row that asks for none (left unchanged).
+
+vLLM's order and formulas, on float32 logits, in `process`:
+1. the bias row: `logit_bias`, -inf outside `allowed_token_ids` and at banned bad-word tokens;
+2. repetition penalty r over tokens in the prompt or the output: a positive logit divided by r,
+   a negative one multiplied by it;
+3. frequency penalty f and presence penalty p over the output: logit -= f * count + p * (count
+   > 0).
+
+Legend: R slots, V vocab, S sampled rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.model.inputs import FREQUENCY, IN_PROMPT, PRESENCE, REPETITION
+
+
+class ProcessorState(NamedTuple):
+    """The slots' rows on the device.
+
+    Attributes:
+        tokens: [R, V] int32: each token's count in the output, `IN_PROMPT` added where it is
+            in the prompt.
+        bias: [R, V] float32 added to the logits (-inf bans a token).
+        penalties: [R, 3] float32 presence, frequency and repetition penalty.
+    """
+
+    tokens: jax.Array
+    bias: jax.Array
+    penalties: jax.Array
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> ProcessorState:
+        return cls(
+            jnp.zeros((num_slots, vocab_size), jnp.int32),
+            jnp.zeros((num_slots, vocab_size), jnp.float32),
+            jnp.zeros((num_slots, 3), jnp.float32),
+        )
+
+
+def write_slot(
+    state: ProcessorState, slot: jax.Array, tokens: jax.Array, bias: jax.Array, penalties
+) -> ProcessorState:
+    """The state with slot `slot` ([] int32) holding these rows ([V], [V], [3])."""
+    return ProcessorState(
+        state.tokens.at[slot].set(tokens),
+        state.bias.at[slot].set(bias),
+        state.penalties.at[slot].set(penalties),
+    )
+
+
+def edit_bias(
+    state: ProcessorState, slots: jax.Array, tokens: jax.Array, values: jax.Array
+) -> ProcessorState:
+    """The state with bias[slots[i], tokens[i]] = values[i] ([E] each); slot -1 edits nothing."""
+    slots = jnp.where(slots >= 0, slots, state.bias.shape[0])  # out of bounds: dropped
+    return state._replace(bias=state.bias.at[slots, tokens].set(values, mode="drop"))
+
+
+def count_tokens(state: ProcessorState, rows: jax.Array, tokens: jax.Array) -> ProcessorState:
+    """The state with each sampled token ([S]) counted once more in its row's slot (`rows`
+    [S], -1: none)."""
+    slots = jnp.where(rows >= 0, rows, state.tokens.shape[0])  # out of bounds: dropped
+    return state._replace(tokens=state.tokens.at[slots, tokens].add(1, mode="drop"))
+
+
+def process(logits: jax.Array, state: ProcessorState, rows: jax.Array) -> jax.Array:
+    """[S, V] float32 logits with each row's bias and penalties applied (rows [S], -1: none)."""
+    logits = logits.astype(jnp.float32)
+    slots = jnp.maximum(rows, 0)
+    tokens = state.tokens[slots]  # [S, V]
+    penalties = state.penalties[slots]  # [S, 3]
+    counts = tokens & (IN_PROMPT - 1)
+    seen = tokens > 0
+    processed = logits + state.bias[slots]
+    repetition = jnp.where(seen, penalties[:, REPETITION, None], 1.0)
+    processed = jnp.where(processed > 0, processed / repetition, processed * repetition)
+    processed -= penalties[:, FREQUENCY, None] * counts
+    processed -= penalties[:, PRESENCE, None] * (counts > 0)
+    return jnp.where(rows[:, None] >= 0, processed, logits)
+
+
+# Bias edits travel in chunks of this many (one shape to compile).
+EDIT_CHUNK = 64
+
+
+class LogitsProcessors:
+    """The slots' state on the device, allocated when a step first asks for processing, and
+    the programs over it (each compiled when first used: no start-up cost for engines that
+    never see a penalty).
+
+    Args:
+        num_slots, vocab_size: the state's shape ([R, V]).
+        sharding: where the state and the processed logits live (replicated over the mesh).
+        on_devices: host array -> what the programs take (global arrays with several
+            processes).
+
+    Mutates: `prepare` and `count` replace `state` by the updated, donated one; `reset` drops it.
+    """
+
+    def __init__(self, num_slots: int, vocab_size: int, sharding, on_devices) -> None:
+        self.shape = (num_slots, vocab_size)
+        self.state: ProcessorState | None = None
+        self._sharding = sharding
+        self._on_devices = on_devices
+        jit = functools.partial(jax.jit, out_shardings=sharding)
+        self._write = jit(write_slot, donate_argnums=0)
+        self._edit = jit(edit_bias, donate_argnums=0)
+        self._process = jit(lambda logits, state, rows: process(logits, state, rows[0]))
+        self._count = jit(
+            lambda state, rows, tokens: count_tokens(state, rows[1], tokens[: rows.shape[1]]),
+            donate_argnums=0,
+        )
+
+    def reset(self) -> None:
+        self.state = None
+
+    def apply(self, logits: jax.Array, plan) -> tuple[jax.Array, Any]:
+        """A step's processed logits, after its slot writes and bias edits (`plan`: a
+        `sched.processors.ProcessorPlan`); returns them and the rows to `count` with."""
+        if self.state is None:
+            zeros = functools.partial(ProcessorState.zeros, *self.shape)
+            self.state = jax.jit(zeros, out_shardings=self._sharding)()
+        for write in plan.writes:
+            arrays = (np.array(write.slot, np.int32), write.tokens, write.bias, write.penalties)
+            self.state = self._write(self.state, *map(self._on_devices, arrays))
+        if plan.edits is not None:
+            num_edits = len(plan.edits[0])
+            padded = -(-num_edits // EDIT_CHUNK) * EDIT_CHUNK
+            slots, tokens, values = (
+                np.pad(array, (0, padded - num_edits), constant_values=fill)
+                for array, fill in zip(plan.edits, (-1, 0, 0.0), strict=True)
+            )
+            for start in range(0, padded, EDIT_CHUNK):
+                chunk = (a[start : start + EDIT_CHUNK] for a in (slots, tokens, values))
+                self.state = self._edit(self.state, *map(self._on_devices, chunk))
+        rows = self._on_devices(plan.rows)
+        return self._process(logits, self.state, rows), rows
+
+    def count(self, rows, tokens: jax.Array) -> None:
+        """Counts a step's sampled tokens ([>= S]) in their rows' slots."""
+        self.state = self._count(self.state, rows, tokens)

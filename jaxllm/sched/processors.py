@@ -1,0 +1,169 @@
+"""The host side of the logits processors (`jaxllm.model.logits_processors`): each sequence's
+slot, the rows written into it, and the bad-word bans.
+
+A sequence that asks for penalties, a bias, allowed tokens or bad words gets a slot when it is
+admitted and gives it back when it is preempted, finishes or is released; the step that admits
+it writes its rows whole from the tokens the host holds. A bad word of several tokens bans its
+last token while the output ends with the ones before it: the plan edits the bias row where the
+bans change, from the output the host holds, so the engine applies a step's tokens before it
+plans the next for such sequences (`Scheduler.needs_host_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from jaxllm.model.inputs import IN_PROMPT
+
+if TYPE_CHECKING:
+    from jaxllm.sched.sequence import Sequence
+
+
+@dataclass
+class SequenceProcessors:
+    """What a sequence's logits processors need besides its params.
+
+    Attributes:
+        vocab_size: the model's vocabulary.
+        bad_words: each bad word's token ids (vLLM's tokenization: the word, and the word after
+            a space).
+        slot: the slot held while running; None otherwise.
+        banned: the last tokens of multi-token bad words banned in the slot's bias row now.
+    """
+
+    vocab_size: int
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    slot: int | None = None
+    banned: frozenset[int] = field(default=frozenset())
+
+    @property
+    def has_multi_token_words(self) -> bool:
+        return any(len(word) > 1 for word in self.bad_words)
+
+
+def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's token ids of bad words: each word as it is, and after a space where that gives
+    the same number of tokens and a different first token."""
+    ids = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        ids.append(tuple(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            ids.append(tuple(spaced))
+    return tuple(word for word in ids if word)
+
+
+def banned_now(seq: Sequence) -> frozenset[int]:
+    """The last tokens of the multi-token bad words whose other tokens end the output."""
+    output = seq.output_token_ids
+    return frozenset(
+        word[-1]
+        for word in seq.processors.bad_words
+        if 1 < len(word) <= len(output) + 1
+        and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
+    )
+
+
+def static_bias(seq: Sequence) -> np.ndarray:
+    """[V] float32: the logit bias, -inf outside the allowed tokens and at one-token bad words."""
+    params, vocab = seq.params, seq.processors.vocab_size
+    bias = np.zeros(vocab, np.float32)
+    for token, value in (params.logit_bias or {}).items():
+        bias[token] += value
+    if params.allowed_token_ids is not None:
+        allowed = np.zeros(vocab, bool)
+        allowed[list(params.allowed_token_ids)] = True
+        bias[~allowed] = -np.inf
+    for word in seq.processors.bad_words:
+        if len(word) == 1:
+            bias[word[0]] = -np.inf
+    return bias
+
+
+class SlotWrite(NamedTuple):
+    """The rows a slot is written with (`logits_processors.write_slot`)."""
+
+    slot: int
+    tokens: np.ndarray  # [V] int32
+    bias: np.ndarray  # [V] float32
+    penalties: np.ndarray  # [3] float32
+
+
+def slot_write(seq: Sequence) -> SlotWrite:
+    """Its slot's rows from the tokens the host holds; records the bans they carry."""
+    proc = seq.processors
+    tokens = np.bincount(seq.output_token_ids, minlength=proc.vocab_size).astype(np.int32)
+    tokens[seq.token_ids[: seq.num_prompt_tokens]] |= IN_PROMPT
+    bias = static_bias(seq)
+    proc.banned = banned_now(seq)
+    bias[list(proc.banned)] = -np.inf
+    params = seq.params
+    penalties = np.array(
+        [params.presence_penalty, params.frequency_penalty, params.repetition_penalty],
+        np.float32,
+    )
+    return SlotWrite(proc.slot, tokens, bias, penalties)
+
+
+def ban_edits(seq: Sequence) -> list[tuple[int, int, float]]:
+    """(slot, token, value) for each bias entry whose ban starts or ends now; records them."""
+    proc = seq.processors
+    banned = banned_now(seq)
+    if banned == proc.banned:
+        return []
+    lifted = sorted(proc.banned - banned)
+    static = static_bias(seq)[lifted] if lifted else []
+    edits = [(proc.slot, token, -np.inf) for token in sorted(banned - proc.banned)]
+    edits += [(proc.slot, token, float(value)) for token, value in zip(lifted, static, strict=True)]
+    proc.banned = banned
+    return edits
+
+
+class ProcessorPlan(NamedTuple):
+    """A step's logits processing (`StepPlan.processors`).
+
+    Attributes:
+        rows: [2, S] int32: each sampled row's slot, whose processors apply (-1: none); then
+            the slot in which its sampled token is counted (-1 also where the row's token is
+            not its sequence's next, mid-prompt).
+        writes: slots written before the step.
+        edits: bias entries set before the step: [E] slots, [E] tokens, [E] values.
+    """
+
+    rows: np.ndarray
+    writes: list[SlotWrite]
+    edits: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+def processor_plan(
+    seqs: list[Sequence], samples: list[bool], num_sampled: int, written: set[int]
+) -> ProcessorPlan | None:
+    """The processing of a step of `seqs` (rows in order), None when no row asks for any;
+    `written`: the ids of sequences whose slot is new, written whole."""
+    rows = np.full((2, num_sampled), -1, np.int32)
+    writes, edits = [], []
+    for index, (seq, sampled) in enumerate(zip(seqs, samples, strict=True)):
+        proc = seq.processors
+        if proc is None:
+            continue
+        rows[0, index] = proc.slot
+        rows[1, index] = proc.slot if sampled else -1
+        if seq.seq_id in written:
+            writes.append(slot_write(seq))
+        elif proc.has_multi_token_words:
+            edits += ban_edits(seq)
+    if not writes and (rows[0] < 0).all():
+        return None
+    edit_arrays = None
+    if edits:
+        slots, tokens, values = zip(*edits, strict=True)
+        edit_arrays = (
+            np.array(slots, np.int32),
+            np.array(tokens, np.int32),
+            np.array(values, np.float32),
+        )
+    return ProcessorPlan(rows, writes, edit_arrays)
