@@ -53,3 +53,11 @@ def check_integrity(scheduler: Scheduler) -> None:
                     block_hash is None and pool.ref_count(block_id) == 1,
                     f"{seq}: block {block_id} is written but shared or cached",
                 )
+    # The logits processors' slots: each running sequence that asks holds one of its own.
+    held = [seq.processors.slot for seq in scheduler.running if seq.processors is not None]
+    free = scheduler._free_slots
+    require(None not in held, "a running sequence with logits processors holds no slot")
+    require(
+        sorted(held + free) == list(range(cfg.max_num_seqs)),
+        "the processor slots held and free are not each slot once",
+    )

@@ -13,10 +13,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.sched import Harness, expected_identities, make_config, next_token
+from support.sched import VOCAB, Harness, expected_identities, make_config, next_token
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, Sequence
+from jaxllm.sched.processors import SequenceProcessors
 
 POLICIES = ["lru", "fifo", "lfu", "mru"]
 
@@ -79,12 +80,17 @@ def run_workload(config, policy, bases, ops) -> Scheduler:
         if kind == "add":
             _, base, length, suffix, max_tokens = op
             prompt = bases[base][:length] + suffix
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            # Every other request holds a logits processors' slot while it runs.
+            processors = SequenceProcessors(VOCAB) if len(accepted) % 2 else None
+            penalty = 1.2 if processors else 1.0
+            params = SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, repetition_penalty=penalty
+            )
             if not prompt or never_fits(config, prompt, max_tokens):
                 with pytest.raises(ValueError):
                     scheduler.new_sequence(prompt, params)
                 continue
-            seq = scheduler.new_sequence(prompt, params)
+            seq = scheduler.new_sequence(prompt, params, processors=processors)
             scheduler.add(seq)
             assert seq.max_tokens == min(max_tokens, config.max_model_len - len(prompt))
             accepted.append(seq)
