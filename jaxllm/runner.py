@@ -112,6 +112,8 @@ class ModelRunner:
         max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
         max_logprobs: the top tokens whose logprobs a step with logprobs returns.
         num_processor_slots: the logits processors' slots (`model.logits_processors`).
+        processor_rows: the sampled rows of the buckets whose logits processing the first
+            request that asks for it compiles all at once (empty: as steps need them).
 
     Mutates: `execute` replaces `kv_cache` by the step's in-place-updated buffer; `compile`
     adds executables; `reset` forgets the steps in flight.
@@ -129,6 +131,7 @@ class ModelRunner:
         max_sampled_rows: int,
         max_logprobs: int = 20,
         num_processor_slots: int = 1,
+        processor_rows: tuple[int, ...] = (),
     ) -> None:
         self.config = config
         self.params = params
@@ -166,8 +169,9 @@ class ModelRunner:
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
         self.processors = LogitsProcessors(
-            num_processor_slots, config.vocab_size, self._replicated, self._on_devices
-        )
+            num_processor_slots, config.vocab_size, self._replicated, self._on_devices,
+            processor_rows, max_sampled_rows,
+        )  # fmt: skip
         self._cache_shape = (num_blocks, block_size)
         self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}

@@ -198,6 +198,11 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             max_sampled_rows=ladder.max_sampled_rows,
             max_logprobs=config.max_logprobs,
             num_processor_slots=config.max_num_seqs,
+            processor_rows=tuple(
+                sorted({bucket.num_sampled for bucket in ladder.buckets()})
+                if config.compile_at_startup
+                else ()
+            ),
         )
     if config.compile_at_startup:
         with phase("compile"):

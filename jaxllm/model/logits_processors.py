@@ -98,24 +98,36 @@ EDIT_CHUNK = 64
 
 class LogitsProcessors:
     """The slots' state on the device, allocated when a step first asks for processing, and
-    the programs over it (each compiled when first used: no start-up cost for engines that
-    never see a penalty).
+    the programs over it, compiled then (no start-up cost for engines that never see a
+    penalty).
 
     Args:
         num_slots, vocab_size: the state's shape ([R, V]).
-        sharding: where the state and the processed logits live (replicated over the mesh).
+        sharding: where the state and the logits live (replicated over the mesh).
         on_devices: host array -> what the programs take (global arrays with several
             processes).
+        row_sizes: the sampled rows of every bucket, whose programs the first use compiles
+            all at once (so that no later step waits for a compile); empty: each when needed.
+        num_tokens: the rows of every step's sampled tokens (`ModelRunner.max_sampled_rows`).
 
-    Mutates: `prepare` and `count` replace `state` by the updated, donated one; `reset` drops it.
+    Mutates: `apply` and `count` replace `state` by the updated, donated one; `reset` drops it.
     """
 
-    def __init__(self, num_slots: int, vocab_size: int, sharding, on_devices) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        vocab_size: int,
+        sharding,
+        on_devices,
+        row_sizes: tuple[int, ...] = (),
+        num_tokens: int = 1,
+    ) -> None:
         self.shape = (num_slots, vocab_size)
         self.state: ProcessorState | None = None
-        self._sharding = sharding
-        self._on_devices = on_devices
+        self._sharding, self._on_devices = sharding, on_devices
+        self._row_sizes, self._num_tokens = row_sizes, num_tokens
         jit = functools.partial(jax.jit, out_shardings=sharding)
+        self._zeros = jit(functools.partial(ProcessorState.zeros, *self.shape))
         self._write = jit(write_slot, donate_argnums=0)
         self._edit = jit(edit_bias, donate_argnums=0)
         self._process = jit(lambda logits, state, rows: process(logits, state, rows[0]))
@@ -123,16 +135,28 @@ class LogitsProcessors:
             lambda state, rows, tokens: count_tokens(state, rows[1], tokens[: rows.shape[1]]),
             donate_argnums=0,
         )
+        self._executables: dict[int, tuple[Any, Any]] = {}  # rows -> (process, count)
 
     def reset(self) -> None:
         self.state = None
 
+    def _compile(self, num_rows: int) -> None:
+        """The programs of `num_rows` sampled rows, and on first use those of `row_sizes`."""
+        shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
+        state = jax.tree.map(lambda x: shaped(x.shape, x.dtype), jax.eval_shape(self._zeros))
+        tokens = shaped((self._num_tokens,), jnp.int32)
+        for size in {num_rows, *(self._row_sizes if not self._executables else ())}:
+            logits, rows = shaped((size, self.shape[1]), jnp.float32), shaped((2, size), jnp.int32)
+            self._executables[size] = (
+                self._process.lower(logits, state, rows).compile(),
+                self._count.lower(state, rows, tokens).compile(),
+            )
+
     def apply(self, logits: jax.Array, plan) -> tuple[jax.Array, Any]:
-        """A step's processed logits, after its slot writes and bias edits (`plan`: a
+        """A step's processed logits [S, V], after its slot writes and bias edits (`plan`: a
         `sched.processors.ProcessorPlan`); returns them and the rows to `count` with."""
         if self.state is None:
-            zeros = functools.partial(ProcessorState.zeros, *self.shape)
-            self.state = jax.jit(zeros, out_shardings=self._sharding)()
+            self.state = self._zeros()
         for write in plan.writes:
             arrays = (np.array(write.slot, np.int32), write.tokens, write.bias, write.penalties)
             self.state = self._write(self.state, *map(self._on_devices, arrays))
@@ -146,9 +170,12 @@ class LogitsProcessors:
             for start in range(0, padded, EDIT_CHUNK):
                 chunk = (a[start : start + EDIT_CHUNK] for a in (slots, tokens, values))
                 self.state = self._edit(self.state, *map(self._on_devices, chunk))
+        num_rows = logits.shape[0]
+        if num_rows not in self._executables:
+            self._compile(num_rows)
         rows = self._on_devices(plan.rows)
-        return self._process(logits, self.state, rows), rows
+        return self._executables[num_rows][0](logits, self.state, rows), rows
 
     def count(self, rows, tokens: jax.Array) -> None:
-        """Counts a step's sampled tokens ([>= S]) in their rows' slots."""
-        self.state = self._count(self.state, rows, tokens)
+        """Counts a step's sampled tokens ([max_sampled_rows]) in their rows' slots."""
+        self.state = self._executables[rows.shape[1]][1](self.state, rows, tokens)

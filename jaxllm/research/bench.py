@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="every request asks for this many top logprobs per token",
     )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="every request's repetition_penalty (1: off)",
+    )
     add_workload_arguments(parser, required=False)
     args = parser.parse_args(argv)
     for flag, value in (
@@ -253,13 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     startup_s = time.perf_counter() - start
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, logprobs=args.logprobs)
+        SamplingParams(
+            temperature=0.6,
+            ignore_eos=True,
+            max_tokens=n,
+            logprobs=args.logprobs,
+            repetition_penalty=args.repetition_penalty,
+        )
         for n in max_tokens
     ]
     # NOTE: a workload's warm-up leaves no block in the prefix cache (3 + 1 tokens), so the
     # run starts from the state the simulator assumes.
     warmup_tokens = 1 if requests else SamplingParams().max_tokens
-    llm.generate(["Benchmark: "], SamplingParams(max_tokens=warmup_tokens), use_tqdm=False)
+    # NOTE: with the run's settings, so that what they first compile is compiled here.
+    warmup = dataclasses.replace(params[0], temperature=0.0, max_tokens=warmup_tokens)
+    llm.generate(["Benchmark: "], warmup, use_tqdm=False)
 
     compilations = count_compilations()
     stats_before = llm.cache_stats()
@@ -278,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": args.tp,
         "num_scheduler_steps": llm.engine.config.num_scheduler_steps,
         "logprobs": args.logprobs,
+        "repetition_penalty": args.repetition_penalty,
         "num_seqs": num_seqs,
         "output_tokens": total,
         "time_s": elapsed,
