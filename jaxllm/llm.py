@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
 import json
 import os
-import signal
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,6 +18,7 @@ from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import IncrementalDetokenizer
 from jaxllm.engine import Request
+from jaxllm.interrupts import interrupts_held
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
@@ -254,7 +253,7 @@ class LLM:
     def _step(self) -> list[int]:
         """Runs one engine step, Ctrl-C held back until it ends; files its finished outputs
         under `_finished`, returns their ids."""
-        with _interrupts_held():
+        with interrupts_held():
             finished = {output.request_id: output for output in self.engine.step()}
             self._finished.update(finished)
         return list(finished)
@@ -350,30 +349,6 @@ class LLM:
             bar.close()
         self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Holds SIGINT (Ctrl-C) back until the block ends, then raises its KeyboardInterrupt.
-
-    NOTE: an interrupt between a donated call and the rebinding of its result would leave the
-    KV cache deleted; a step is short, so it runs whole. Only the main thread receives signals,
-    and only Python's own handler is replaced: elsewhere this changes nothing.
-    """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:
-            raise KeyboardInterrupt
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,

@@ -223,6 +223,7 @@ def test_apply_writes_a_slot_then_edits_in_chunks():
         vocab_size=vocab,
         sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
         on_devices=jnp.asarray,
+        num_tokens=4,  # a step's sampled tokens: its rows, then padding
     )
     num_edits = EDIT_CHUNK + 6
     edit_tokens = np.arange(num_edits, dtype=np.int32)
