@@ -217,6 +217,39 @@ class Engine:
         self.scheduler.reset()
         self.runner.reset()
 
+    def update_params(self, params) -> None:
+        """New weights (`ModelRunner.update_params`); the prefix cache, which holds the old
+        weights' KV, is emptied."""
+        self._require_idle("update_params")
+        self.runner.update_params(params)
+        self.scheduler.reset()
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache (level 1), and drops the weights (level 2)."""
+        if level not in (1, 2):
+            raise ValueError(
+                f"sleep level must be 1 (the KV cache) or 2 (and weights), got {level}"
+            )
+        self._require_idle("sleep")
+        self.scheduler.reset()
+        self.runner.sleep(weights=level == 2)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
+
+    def check_awake(self) -> None:
+        """Raises RuntimeError unless the engine can run steps (awake, with weights)."""
+        if self.runner.kv_cache is None:
+            raise RuntimeError("the LLM is asleep (LLM.sleep): call LLM.wake_up() first")
+        if self.runner.params is None:
+            raise RuntimeError(
+                "the LLM's weights were dropped by sleep(level=2): call LLM.update_params first"
+            )
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} while requests are running: finish or abort them first")
+
     def has_request(self, request_id: int) -> bool:
         """Whether the request is queued, running or finished with its output not yet returned."""
         return request_id in self._requests

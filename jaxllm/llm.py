@@ -120,6 +120,37 @@ class LLM:
         """XLA executables built in this process since this engine finished starting."""
         return self.engine.runner.num_compiled - self.engine.compiled_at_startup
 
+    @property
+    def params(self) -> Any:
+        """The weights the engine runs (a pytree of jax arrays, in the engine's layout: q/k/v
+        and gate/up fused); None after `sleep(level=2)` until `update_params`."""
+        return self.engine.runner.params
+
+    def update_params(self, params: Any) -> None:
+        """Runs with new weights from now on, without compiling anything: a tree like
+        `params` of the same shapes and dtypes (a trainer's, say). Arrays already placed as
+        the current ones are used as they are (the engine keeps them: donate them elsewhere
+        only after another update); others are copied to their devices. The prefix cache is
+        emptied: its KV belongs to the old weights.
+
+        Raises:
+            ValueError: another tree structure, shape or dtype, naming the first difference.
+            RuntimeError: requests are running (a stream not yet exhausted).
+        """
+        with self._lock:
+            self.engine.update_params(params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device memory of the KV cache (level 1), and drops the weights too (level
+        2; `update_params` gives new ones), for a trainer to use; `wake_up` allocates the
+        cache again. Compiled executables stay: nothing compiles on waking."""
+        with self._lock:
+            self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        with self._lock:
+            self.engine.wake_up()
+
     def cache_stats(self) -> CacheStats:
         """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
         return self.engine.scheduler.stats()
@@ -265,6 +296,7 @@ class LLM:
     ) -> list[Request]:
         """The engine's requests of a call, all validated before any is queued (prompt forms:
         `jaxllm.prompts`)."""
+        self.engine.check_awake()
         texts, token_lists = self._tokenize(prompts)
         params = self._params_per_prompt(sampling_params, len(token_lists))
         requests = []

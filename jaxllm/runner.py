@@ -36,6 +36,7 @@ from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched.plan import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, previous_rows
+from jaxllm.weights import placed_like
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,9 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.params = params
+        self._param_shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
         self.kernels = kernels
         self.mesh = mesh
         self.max_sampled_rows = max_sampled_rows
@@ -195,6 +199,24 @@ class ModelRunner:
         self._previous = self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
         self.kv_cache = self._allocate_kv_cache()
+
+    def update_params(self, params: Params) -> None:
+        """Takes new weights, placed as the old ones (`weights.placed_like`)."""
+        self.params = placed_like(params, self.params or self._param_shapes)
+
+    def sleep(self, weights: bool = False) -> None:
+        """Frees the KV cache (and drops the weights, with `weights`); `wake_up` allocates it
+        again. Nothing compiled is lost."""
+        self._previous = None
+        self.processors.reset()
+        jax.tree.map(lambda array: array.delete(), self.kv_cache)
+        self.kv_cache = None
+        if weights:
+            self.params = None
+
+    def wake_up(self) -> None:
+        if self.kv_cache is None:
+            self.kv_cache = self._allocate_kv_cache()
 
     @property
     def num_executables(self) -> int:
