@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings, decode_tokens
 from jaxllm.outputs import (
     CompletionOutput,
+    EngineStats,
     Logprob,
     PromptLogprobs,
     RequestMetrics,
@@ -52,53 +53,6 @@ def completion_params(params: SamplingParams, index: int) -> SamplingParams:
         return replace(params, n=1, seed=(params.seed + index) % SEED_LIMIT)
     derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
     return replace(params, n=1, _derived_seed=derived)
-
-
-@dataclass
-class StepStats:
-    """Tokens and seconds of one kind of step, accumulated.
-
-    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into
-    `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
-    under this step's kind: the first decode step after a prefill waits for that prefill).
-    """
-
-    tokens: int = 0
-    seconds: float = 0.0
-    steps: int = 0
-    dispatch_seconds: float = 0.0
-    wait_seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def __sub__(self, other: StepStats) -> StepStats:
-        return StepStats(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
-
-
-@dataclass
-class EngineStats:
-    prefill: StepStats = field(default_factory=StepStats)
-    decode: StepStats = field(default_factory=StepStats)
-
-    def snapshot(self) -> EngineStats:
-        return EngineStats(replace(self.prefill), replace(self.decode))
-
-    def since(self, before: EngineStats) -> dict[str, float]:
-        """Throughput and the parts of a decode step's wall time (handing it to the device,
-        waiting for tokens) since `before`."""
-        prefill, decode = self.prefill - before.prefill, self.decode - before.decode
-        per_step = lambda seconds: 1e3 * seconds / decode.steps if decode.steps else 0.0
-        return {
-            "prefill_tok_s": prefill.tokens_per_second,
-            "decode_tok_s": decode.tokens_per_second,
-            "prefill_steps": prefill.steps,
-            "decode_steps": decode.steps,
-            "decode_ms_per_step": per_step(decode.seconds),
-            "decode_dispatch_ms_per_step": per_step(decode.dispatch_seconds),
-            "decode_wait_ms_per_step": per_step(decode.wait_seconds),
-        }
 
 
 class Engine:
@@ -190,7 +144,9 @@ class Engine:
                     f"SamplingParams.{name} names token {outside[0]}, outside the model's "
                     f"vocabulary [0, {vocab})"
                 )
-        return bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        # NOTE: a word with a token past the model's vocabulary can never be generated.
+        return tuple(word for word in words if max(word) < vocab)
 
     def add(self, request: Request) -> None:
         """Queues a request made by `new_request`."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -127,11 +126,9 @@ class LLM:
         return self.engine.runner.params
 
     def update_params(self, params: Any) -> None:
-        """Runs with new weights from now on, without compiling anything: a tree like
-        `params` of the same shapes and dtypes (a trainer's, say). Arrays already placed as
-        the current ones are used as they are (the engine keeps them: donate them elsewhere
-        only after another update); others are copied to their devices. The prefix cache is
-        emptied: its KV belongs to the old weights.
+        """Runs with new weights from now on (a trainer's, say), compiling nothing: a tree like
+        `params`, of the same shapes and dtypes. Arrays placed as the current ones are used as
+        they are (not copied); others are copied to their devices. Empties the prefix cache.
 
         Raises:
             ValueError: another tree structure, shape or dtype, naming the first difference.
@@ -141,9 +138,8 @@ class LLM:
             self.engine.update_params(params)
 
     def sleep(self, level: int = 1) -> None:
-        """Frees the device memory of the KV cache (level 1), and drops the weights too (level
-        2; `update_params` gives new ones), for a trainer to use; `wake_up` allocates the
-        cache again. Compiled executables stay: nothing compiles on waking."""
+        """Frees the KV cache's device memory (level 1) and drops the weights (level 2, for
+        `update_params` to replace); `wake_up` allocates the cache again, compiling nothing."""
         with self._lock:
             self.engine.sleep(level)
 
@@ -167,15 +163,11 @@ class LLM:
         Raises:
             ValueError: `path` is a non-empty directory (without `overwrite`) or not a directory.
         """
-        from jaxllm.model.checkpoint import atomic_directory, save_params
+        from jaxllm.model.checkpoint import save_model
 
-        with self._lock, atomic_directory(path, overwrite=overwrite) as staging:
-            save_params(staging, self.engine.runner.config, self.engine.runner.params)
-            self.tokenizer.save_pretrained(staging)
-            eos = list(self.engine.scheduler.config.eos_token_ids)
-            (staging / "generation_config.json").write_text(
-                json.dumps({"eos_token_id": eos}, indent=2) + "\n"
-            )
+        eos = list(self.engine.scheduler.config.eos_token_ids)
+        with self._lock:
+            save_model(path, self.model_config, self.params, self.tokenizer, eos, overwrite)
 
     def generate(
         self,

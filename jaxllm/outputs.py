@@ -1,8 +1,8 @@
-"""What `LLM.generate` returns (pure Python)."""
+"""What `LLM.generate` returns, and what the engine counts of its steps (pure Python)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 
@@ -121,3 +121,50 @@ class StreamDelta(NamedTuple):
     text: str
     token_ids: list[int]
     index: int = 0
+
+
+@dataclass
+class StepStats:
+    """Tokens and seconds of one kind of step, accumulated.
+
+    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into
+    `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
+    under this step's kind: the first decode step after a prefill waits for that prefill).
+    """
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    dispatch_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def __sub__(self, other: StepStats) -> StepStats:
+        return StepStats(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass
+class EngineStats:
+    prefill: StepStats = field(default_factory=StepStats)
+    decode: StepStats = field(default_factory=StepStats)
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(replace(self.prefill), replace(self.decode))
+
+    def since(self, before: EngineStats) -> dict[str, float]:
+        """Throughput and the parts of a decode step's wall time (handing it to the device,
+        waiting for tokens) since `before`."""
+        prefill, decode = self.prefill - before.prefill, self.decode - before.decode
+        per_step = lambda seconds: 1e3 * seconds / decode.steps if decode.steps else 0.0
+        return {
+            "prefill_tok_s": prefill.tokens_per_second,
+            "decode_tok_s": decode.tokens_per_second,
+            "prefill_steps": prefill.steps,
+            "decode_steps": decode.steps,
+            "decode_ms_per_step": per_step(decode.seconds),
+            "decode_dispatch_ms_per_step": per_step(decode.dispatch_seconds),
+            "decode_wait_ms_per_step": per_step(decode.wait_seconds),
+        }

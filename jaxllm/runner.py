@@ -22,14 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm import steps
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
-from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_specs
+from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
@@ -67,38 +67,6 @@ def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any
             compiled[futures[future]] = future.result()
             bar.update(1)
     return compiled
-
-
-def step_scratch_bytes(
-    config: Qwen3Config,
-    params: Params,
-    bucket: Bucket,
-    block_size: int,
-    mesh: Mesh,
-    kernels: Kernels,
-) -> int | None:
-    """Device memory one step of `bucket` needs beside the params and the KV cache (per device).
-
-    Measured by compiling the step over a one-block cache: XLA's own account of the step's
-    temporary buffers, plus its logits output. None where the backend gives no account.
-    """
-
-    def on_mesh(x: Any, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-    forward = jax.jit(
-        sharded_forward(config, mesh, kernels), donate_argnums=1, compiler_options=COMPILER_OPTIONS
-    )
-    cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
-    cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
-    inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
-    with partitioner_for(mesh, kernels.custom_calls):
-        compiled = forward.lower(params, cache, inputs).compile()
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return None
-    logits = bucket.num_sampled * config.vocab_size * 4
-    return int(analysis.temp_size_in_bytes) + 2 * logits
 
 
 class ModelRunner:

@@ -17,20 +17,22 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_params
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.kv_cache import kv_cache_bytes_per_block
-from jaxllm.model.qwen3 import Params
-from jaxllm.model.sharding import make_mesh
+from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_specs
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
+from jaxllm.model.sharding import make_mesh, partitioner_for
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
-from jaxllm.runner import ModelRunner, step_scratch_bytes
-from jaxllm.sched import BucketLadder, Scheduler, SchedulerConfig
+from jaxllm.runner import ModelRunner
+from jaxllm.sched import Bucket, BucketLadder, Scheduler, SchedulerConfig
 from jaxllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -245,3 +247,35 @@ def fit_num_blocks(
     # scratch is small beside the largest step's and comes out of the 10% margin.
     free = limit - scratch - stats.get("bytes_in_use", 0)
     return max(1, int(free // per_block))
+
+
+def step_scratch_bytes(
+    config: Qwen3Config,
+    params: Params,
+    bucket: Bucket,
+    block_size: int,
+    mesh: Mesh,
+    kernels: Kernels,
+) -> int | None:
+    """Device memory one step of `bucket` needs beside the params and the KV cache (per device).
+
+    Measured by compiling the step over a one-block cache: XLA's own account of the step's
+    temporary buffers, plus its logits output. None where the backend gives no account.
+    """
+
+    def on_mesh(x: Any, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    forward = jax.jit(
+        sharded_forward(config, mesh, kernels), donate_argnums=1, compiler_options=COMPILER_OPTIONS
+    )
+    cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
+    cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
+    inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
+    with partitioner_for(mesh, kernels.custom_calls):
+        compiled = forward.lower(params, cache, inputs).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    logits = bucket.num_sampled * config.vocab_size * 4
+    return int(analysis.temp_size_in_bytes) + 2 * logits

@@ -102,6 +102,24 @@ def _move_entries(source: Path, target: Path) -> None:
     shutil.rmtree(replaced)
 
 
+def save_model(
+    path: str | Path,
+    config: Qwen3Config,
+    params: Params,
+    tokenizer: Any,
+    eos_token_ids: list[int],
+    overwrite: bool = False,
+) -> None:
+    """A directory that loads back as the model (`LLM.save`): written beside `path`, moved
+    in at the end (`atomic_directory`)."""
+    with atomic_directory(path, overwrite=overwrite) as staging:
+        save_params(staging, config, params)
+        tokenizer.save_pretrained(staging)
+        (staging / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": eos_token_ids}, indent=2) + "\n"
+        )
+
+
 def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
     """Writes `params` as an orbax checkpoint under `path/params`, the config beside it and a
     manifest of every leaf's shape, dtype and checksum (xxh3_64 of its bytes).

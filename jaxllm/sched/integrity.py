@@ -55,7 +55,7 @@ def check_integrity(scheduler: Scheduler) -> None:
                 )
     # The logits processors' slots: each running sequence that asks holds one of its own.
     held = [seq.processors.slot for seq in scheduler.running if seq.processors is not None]
-    free = scheduler._free_slots
+    free = scheduler.slots.free
     require(None not in held, "a running sequence with logits processors holds no slot")
     require(
         sorted(held + free) == list(range(cfg.max_num_seqs)),

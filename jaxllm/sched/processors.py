@@ -44,6 +44,47 @@ class SequenceProcessors:
         return any(len(word) > 1 for word in self.bad_words)
 
 
+class ProcessorSlots:
+    """The slots of the device state: one per running sequence that asks, so `max_num_seqs`
+    suffice. A slot given back is written anew by a step planned later, which runs after
+    every step that used it.
+
+    Attributes:
+        free: the slots no sequence holds.
+        new: ids of the sequences given a slot since the last plan (`take_new`).
+        num_needing_host_tokens: live sequences with bad words of several tokens.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.reset()
+
+    def reset(self) -> None:
+        self.free = list(range(self.num_slots))
+        self.new: set[int] = set()
+        self.num_needing_host_tokens = 0
+
+    def added(self, seq: Sequence, live: bool = True) -> None:
+        """Counts a sequence that became live (or, with `live=False`, stopped being)."""
+        if seq.processors is not None and seq.processors.has_multi_token_words:
+            self.num_needing_host_tokens += 1 if live else -1
+
+    def assign(self, seq: Sequence) -> None:
+        if seq.processors is not None:
+            seq.processors.slot = self.free.pop()
+            self.new.add(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.processors is not None and seq.processors.slot is not None:
+            self.free.append(seq.processors.slot)
+            seq.processors.slot = None
+            self.new.discard(seq.seq_id)
+
+    def take_new(self) -> frozenset[int]:
+        new, self.new = frozenset(self.new), set()
+        return new
+
+
 def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """vLLM's token ids of bad words: each word as it is, and after a space where that gives
     the same number of tokens and a different first token."""

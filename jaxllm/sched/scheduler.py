@@ -24,7 +24,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import BucketLadder, StepPlan, plan_step
-from jaxllm.sched.processors import SequenceProcessors
+from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
 
@@ -60,10 +60,7 @@ class Scheduler:
         # again, so their blocks go back when that step is planned; `update` finishes them.
         self.sampling_last: list[Sequence] = []
         self.num_preemptions = 0
-        # The logits processors' slots (`sched.processors`): one per running sequence at most.
-        self._free_slots = list(range(config.max_num_seqs))
-        self._new_slots: set[int] = set()  # ids of the sequences given one since the last plan
-        self._num_needing_host_tokens = 0
+        self.slots = ProcessorSlots(config.max_num_seqs)  # the logits processors'
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self._eos = frozenset(config.eos_token_ids)
@@ -119,8 +116,7 @@ class Scheduler:
         """Queues a sequence made by `new_sequence` (mutates the waiting queue)."""
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
-        if seq.processors is not None and seq.processors.has_multi_token_words:
-            self._num_needing_host_tokens += 1
+        self.slots.added(seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes the live sequence `seq_id` with reason "abort"; None if there is none."""
@@ -140,9 +136,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.sampling_last, self._live):
             queue.clear()
         self.block_pool.reset()
-        self._free_slots = list(range(self.config.max_num_seqs))
-        self._new_slots.clear()
-        self._num_needing_host_tokens = 0
+        self.slots.reset()
 
     @property
     def num_unfinished(self) -> int:
@@ -155,7 +149,7 @@ class Scheduler:
     def needs_host_tokens(self) -> bool:
         """A live sequence has bad words of several tokens, whose bans the plan computes from
         its output: the engine applies a step's tokens before it plans the next."""
-        return self._num_needing_host_tokens > 0
+        return self.slots.num_needing_host_tokens > 0
 
     def stats(self) -> CacheStats:
         return self.block_pool.stats()
@@ -181,9 +175,8 @@ class Scheduler:
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
         plan = plan_step(
             self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows,
-            frozenset(self._new_slots),
+            self.slots.take_new(),
         )  # fmt: skip
-        self._new_slots.clear()
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -327,9 +320,7 @@ class Scheduler:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
-        if seq.processors is not None:
-            seq.processors.slot = self._free_slots.pop()
-            self._new_slots.add(seq.seq_id)
+        self.slots.assign(seq)
         return True
 
     def _schedule_decode(self) -> tuple | None:
@@ -373,7 +364,7 @@ class Scheduler:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks; it
         keeps its tokens and block hashes, and prefills again (mostly from the prefix cache)."""
         self.block_pool.free(seq.block_table)
-        self._free_slot(seq)
+        self.slots.release(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -386,7 +377,7 @@ class Scheduler:
         freed (the planned step still writes them: any later step runs after it)."""
         self.running.remove(seq)
         self.block_pool.free(seq.block_table)
-        self._free_slot(seq)
+        self.slots.release(seq)
         seq.block_table = []
         seq.status = SequenceStatus.SAMPLING_LAST
         self.sampling_last.append(seq)
@@ -400,21 +391,12 @@ class Scheduler:
         }[seq.status]
         queue.remove(seq)
         self.block_pool.free(seq.block_table)
-        self._free_slot(seq)
+        self.slots.release(seq)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
-        if seq.processors is not None and seq.processors.has_multi_token_words:
-            self._num_needing_host_tokens -= 1
-
-    def _free_slot(self, seq: Sequence) -> None:
-        """Gives back its logits processors' slot, if it holds one: a step planned later, which
-        may write the slot anew, runs after every step that used it."""
-        if seq.processors is not None and seq.processors.slot is not None:
-            self._free_slots.append(seq.processors.slot)
-            seq.processors.slot = None
-            self._new_slots.discard(seq.seq_id)
+        self.slots.added(seq, live=False)
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""

@@ -198,9 +198,10 @@ def test_logit_bias_of_100_gives_its_token_every_step(llm, greedy_prompts, greed
     prompts, references = greedy_prompts[2:5], greedy_reference[2:5]
     used = {token for reference in references for token in reference}
     token = next(token for token in range(VOCAB_SIZE) if token not in used)
-    params = [greedy_params(NUM_TOKENS, logit_bias={token: 100.0}), greedy_params(NUM_TOKENS)]
+    biased = greedy_params(NUM_TOKENS, logit_bias={token: 100.0})
+    params = [biased, greedy_params(NUM_TOKENS), biased]
 
-    outputs = llm.generate(prompts[:2] + prompts[2:], params + params[:1], use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
 
     assert outputs[0].token_ids == outputs[2].token_ids == [token] * NUM_TOKENS
     assert outputs[1].token_ids == references[1][:NUM_TOKENS]
