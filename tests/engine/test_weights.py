@@ -1,0 +1,136 @@
+"""New weights for a running engine, and sleep: `update_params` gives the outputs of a fresh LLM
+built from the new weights (no stale prefix-cache hit, nothing compiled), `sleep`/`wake_up`
+free and restore the KV cache, and wrong trees or calls at the wrong time are refused with the
+engine left working."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from support.engine import BASE_SETTINGS, assert_idle, greedy_params
+from support.hf import save_checkpoint
+
+from jaxllm import LLM
+from jaxllm.research.bench import count_compilations
+
+NUM_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory):
+    """The engine tests' shape with other random weights."""
+    return save_checkpoint(tmp_path_factory.mktemp("qwen3-other-weights"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def other_llm(other_checkpoint) -> LLM:
+    return LLM(str(other_checkpoint.path), **BASE_SETTINGS)
+
+
+@pytest.fixture
+def fresh_llm(checkpoint) -> LLM:
+    """An engine of its own: these tests change its weights."""
+    return LLM(str(checkpoint.path), **BASE_SETTINGS)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [output.token_ids for output in outputs]
+
+
+def test_update_params_gives_the_new_weights_outputs_without_compiling(
+    fresh_llm, other_llm, other_checkpoint, greedy_prompts
+):
+    prompts, params = greedy_prompts[3:8], greedy_params(NUM_TOKENS)
+    before = tokens(fresh_llm.generate(prompts, params, use_tqdm=False))
+    tokens(fresh_llm.generate(prompts, params, use_tqdm=False))  # its blocks now cached
+    assert fresh_llm.cache_stats().num_cached_free_blocks > 0
+
+    compilations = count_compilations()
+    fresh_llm.update_params(other_llm.params)
+    after = tokens(fresh_llm.generate(prompts, params, use_tqdm=False))
+    assert compilations == []
+
+    expected = [other_checkpoint.greedy(prompt, NUM_TOKENS) for prompt in prompts]
+    assert after == expected == tokens(other_llm.generate(prompts, params, use_tqdm=False))
+    assert after != before
+    assert fresh_llm.params is not None
+    assert_idle(fresh_llm)
+
+
+def test_update_params_uses_placed_arrays_as_they_are(fresh_llm, other_llm):
+    fresh_llm.update_params(other_llm.params)
+    for new, used in zip(jax.tree.leaves(other_llm.params), jax.tree.leaves(fresh_llm.params)):
+        assert new is used
+    host = jax.tree.map(np.asarray, other_llm.params)  # numpy leaves are copied to the devices
+    fresh_llm.update_params(host)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(fresh_llm.params))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda tree: {**tree, "extra": np.zeros(1, np.float32)}, "tree structure"),
+        (lambda tree: {k: v for k, v in tree.items() if k != sorted(tree)[0]}, "tree structure"),
+        (lambda tree: jax.tree.map(lambda x: x[..., :1], tree), "the model's is"),
+        (lambda tree: jax.tree.map(lambda x: x.astype(np.float16), tree), "float16"),
+    ],
+    ids=["extra leaf", "missing leaf", "shape", "dtype"],
+)
+def test_a_wrong_tree_is_refused_and_the_engine_keeps_its_weights(
+    change, message, fresh_llm, checkpoint, greedy_prompts
+):
+    prompt = greedy_prompts[4]
+    old = jax.tree.leaves(fresh_llm.params)
+    with pytest.raises(ValueError, match=message):
+        fresh_llm.update_params(change(fresh_llm.params))
+    assert all(a is b for a, b in zip(old, jax.tree.leaves(fresh_llm.params), strict=True))
+    (output,) = fresh_llm.generate([prompt], greedy_params(NUM_TOKENS), use_tqdm=False)
+    assert output.token_ids == checkpoint.greedy(prompt, NUM_TOKENS)
+
+
+def test_sleep_frees_the_kv_cache_and_wake_up_restores_it(fresh_llm, checkpoint, greedy_prompts):
+    prompts, params = greedy_prompts[2:5], greedy_params(NUM_TOKENS)
+    expected = [checkpoint.greedy(prompt, NUM_TOKENS) for prompt in prompts]
+    assert tokens(fresh_llm.generate(prompts, params, use_tqdm=False)) == expected
+    kv_cache = jax.tree.leaves(fresh_llm.engine.runner.kv_cache)
+
+    fresh_llm.sleep()
+    assert all(array.is_deleted() for array in kv_cache)
+    with pytest.raises(RuntimeError, match="asleep"):
+        fresh_llm.generate(prompts, params, use_tqdm=False)
+    assert fresh_llm.cache_stats().num_cached_free_blocks == 0
+
+    compilations = count_compilations()
+    fresh_llm.wake_up()
+    assert tokens(fresh_llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert compilations == []
+    assert_idle(fresh_llm)
+
+
+def test_sleep_level_2_drops_the_weights_until_an_update(
+    fresh_llm, other_llm, other_checkpoint, greedy_prompts
+):
+    prompt, params = greedy_prompts[5], greedy_params(NUM_TOKENS)
+    fresh_llm.sleep(level=2)
+    assert fresh_llm.params is None
+    fresh_llm.wake_up()
+    with pytest.raises(RuntimeError, match="update_params"):
+        fresh_llm.generate([prompt], params, use_tqdm=False)
+    fresh_llm.update_params(other_llm.params)
+    (output,) = fresh_llm.generate([prompt], params, use_tqdm=False)
+    assert output.token_ids == other_checkpoint.greedy(prompt, NUM_TOKENS)
+    with pytest.raises(ValueError, match="level"):
+        fresh_llm.sleep(level=3)
+
+
+def test_no_update_or_sleep_while_a_stream_runs(fresh_llm, other_llm, checkpoint, greedy_prompts):
+    prompt, params = greedy_prompts[6], greedy_params(NUM_TOKENS)
+    stream = fresh_llm.stream(prompt, params)
+    first = next(stream)
+    for call in (lambda: fresh_llm.update_params(other_llm.params), fresh_llm.sleep):
+        with pytest.raises(RuntimeError, match="requests are running"):
+            call()
+    streamed = list(first.token_ids) + [t for delta in stream for t in delta.token_ids]
+    assert streamed == checkpoint.greedy(prompt, NUM_TOKENS)
+    assert_idle(fresh_llm)
