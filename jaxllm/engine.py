@@ -7,7 +7,6 @@ dispatches step N before it applies step N - 1's tokens, which the device has me
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -18,7 +17,6 @@ from jaxllm.detokenizer import StopStrings, decode_tokens
 from jaxllm.outputs import (
     CompletionOutput,
     EngineStats,
-    Logprob,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -331,27 +329,9 @@ class Engine:
 
     def _logprobs(self, tokens: list[int], rows: list[np.ndarray], wanted: int) -> SampleLogprobs:
         """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
-        of the device's logprobs (`sampler.token_logprobs`)."""
-        if not rows:
-            return []
-        table = np.stack(rows)
-        num_top = (table.shape[1] - 2) // 2
-        top_ids = table[:, 2 : 2 + wanted].astype(np.int64).tolist()
-        top_values = table[:, 2 + num_top : 2 + num_top + wanted].tolist()
-        text = self._token_texts([*tokens, *itertools.chain.from_iterable(top_ids)])
-        result = []
-        for token, ids, values, value, rank in zip(
-            tokens, top_ids, top_values, table[:, 0].tolist(), table[:, 1].astype(int).tolist(),
-            strict=True,
-        ):  # fmt: skip
-            entries = {
-                i: Logprob(v, r, text[i])
-                for r, (i, v) in enumerate(zip(ids, values, strict=True), 1)
-            }
-            if token not in entries:
-                entries[token] = Logprob(value, rank, text[token])
-            result.append(entries)
-        return result
+        of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
+        table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
+        return SampleLogprobs(list(tokens), table, wanted, self._token_texts)
 
     def _token_texts(self, tokens: list[int]) -> dict[int, str]:
         """Each token's text alone; those not seen before decoded in one batch. NOTE: one

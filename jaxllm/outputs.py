@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field, fields, replace
 from typing import Any, NamedTuple
+
+import numpy as np
 
 
 @dataclass
@@ -37,8 +40,62 @@ class Logprob(NamedTuple):
     decoded_token: str
 
 
-# For each generated token: its own Logprob and those of the top alternatives, by token id.
-SampleLogprobs = list[dict[int, Logprob]]
+class SampleLogprobs(Sequence):
+    """For each generated token, {token id: Logprob} of the token and of the top alternatives
+    (vLLM's list of dicts), each dict built when first read from the rows the device returned
+    (`sampler.token_logprobs`). Pickles as a plain list.
+
+    NOTE: built all at once they cost the host about 5 us a token, and their objects slow the
+    garbage collector; vLLM's FlatLogprobs defers them likewise.
+    """
+
+    def __init__(
+        self,
+        tokens: list[int],
+        rows: np.ndarray,
+        wanted: int,
+        texts: Callable[[list[int]], Mapping[int, str]],
+    ) -> None:
+        self._tokens, self._rows, self._wanted, self._texts = tokens, rows, wanted, texts
+        self._entries: list[dict[int, Logprob] | None] = [None] * len(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        entries = self._entries[index]
+        if entries is None:
+            entries = self._entries[index] = self._build(index)
+        return entries
+
+    def _build(self, index: int) -> dict[int, Logprob]:
+        token, row, wanted = self._tokens[index], self._rows[index], self._wanted
+        num_top = (len(row) - 2) // 2
+        ids = row[2 : 2 + wanted].astype(np.int64).tolist()
+        values = row[2 + num_top : 2 + num_top + wanted].tolist()
+        text = self._texts([token, *ids])
+        entries = {
+            i: Logprob(v, rank, text[i])
+            for rank, (i, v) in enumerate(zip(ids, values, strict=True), 1)
+        }
+        if token not in entries:
+            entries[token] = Logprob(float(row[0]), int(row[1]), text[token])
+        return entries
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SampleLogprobs | list) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
 # The same for each prompt token, None for the first.
 PromptLogprobs = list[dict[int, Logprob] | None]
 

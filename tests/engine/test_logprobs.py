@@ -144,3 +144,30 @@ def test_prompt_logprobs_equal_transformers(make_llm, checkpoint, greedy_prompts
         reference = reference_logprobs(checkpoint, prompt, output.token_ids)
         check_logprobs(output, reference, 1)  # the generated tokens' too
     assert_idle(llm)
+
+
+def test_sample_logprobs_build_each_dict_when_read_and_pickle_as_a_list():
+    import pickle
+
+    from jaxllm.outputs import Logprob, SampleLogprobs
+
+    # rows: logprob, rank, 3 top ids, their logprobs (`sampler.token_logprobs`, 3 top tokens)
+    rows = np.array(
+        [[-0.5, 2, 7, 4, 9, -0.25, -0.5, -3.0], [-4.0, 5, 1, 2, 3, -0.125, -0.375, -0.75]], np.float32
+    )
+    asked: list[list[int]] = []
+
+    def texts(ids):
+        asked.append(ids)
+        return {i: f"<{i}>" for i in ids}
+
+    logprobs = SampleLogprobs([4, 8], rows, 2, texts)
+    assert len(logprobs) == 2 and asked == []  # nothing built yet
+    first = logprobs[0]
+    assert first == {7: Logprob(-0.25, 1, "<7>"), 4: Logprob(-0.5, 2, "<4>")}
+    assert logprobs[0] is first and len(asked) == 1  # built once
+    assert logprobs[-1] == {1: (-0.125, 1, "<1>"), 2: (-0.375, 2, "<2>"), 8: (-4.0, 5, "<8>")}
+    assert logprobs[:] == list(logprobs) == logprobs
+    with pytest.raises(IndexError):
+        logprobs[2]
+    assert pickle.loads(pickle.dumps(logprobs)) == list(logprobs)
