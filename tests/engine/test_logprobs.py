@@ -153,7 +153,8 @@ def test_sample_logprobs_build_each_dict_when_read_and_pickle_as_a_list():
 
     # rows: logprob, rank, 3 top ids, their logprobs (`sampler.token_logprobs`, 3 top tokens)
     rows = np.array(
-        [[-0.5, 2, 7, 4, 9, -0.25, -0.5, -3.0], [-4.0, 5, 1, 2, 3, -0.125, -0.375, -0.75]], np.float32
+        [[-0.5, 2, 7, 4, 9, -0.25, -0.5, -3.0], [-4.0, 5, 1, 2, 3, -0.125, -0.375, -0.75]],
+        np.float32,
     )
     asked: list[list[int]] = []
 

@@ -60,8 +60,8 @@ def test_update_params_gives_the_new_weights_outputs_without_compiling(
 
 def test_update_params_uses_placed_arrays_as_they_are(fresh_llm, other_llm):
     fresh_llm.update_params(other_llm.params)
-    for new, used in zip(jax.tree.leaves(other_llm.params), jax.tree.leaves(fresh_llm.params)):
-        assert new is used
+    new, used = jax.tree.leaves(other_llm.params), jax.tree.leaves(fresh_llm.params)
+    assert all(a is b for a, b in zip(new, used, strict=True))
     host = jax.tree.map(np.asarray, other_llm.params)  # numpy leaves are copied to the devices
     fresh_llm.update_params(host)
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(fresh_llm.params))
