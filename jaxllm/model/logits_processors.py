@@ -84,11 +84,15 @@ def process(logits: jax.Array, state: ProcessorState, rows: jax.Array) -> jax.Ar
     penalties = state.penalties[slots]  # [S, 3]
     counts = tokens & (IN_PROMPT - 1)
     seen = tokens > 0
-    processed = logits + state.bias[slots]
+    bias = state.bias[slots]
+    processed = logits + bias
     repetition = jnp.where(seen, penalties[:, REPETITION, None], 1.0)
     processed = jnp.where(processed > 0, processed / repetition, processed * repetition)
     processed -= penalties[:, FREQUENCY, None] * counts
     processed -= penalties[:, PRESENCE, None] * (counts > 0)
+    # NOTE: a banned token stays banned whatever the penalties (-inf * a penalty that rounds
+    # to 0 in float32 would be NaN).
+    processed = jnp.where(bias == -jnp.inf, -jnp.inf, processed)
     return jnp.where(rows[:, None] >= 0, processed, logits)
 
 

@@ -323,3 +323,14 @@ def _block_table_rows(block_tables: list[list[int]]) -> np.ndarray:
     tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
     tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat  # filled in row order
     return tables
+
+
+def keep_prompt_logprobs(plan: StepPlan, logprobs: np.ndarray) -> None:
+    """Appends the logprobs of the prompt tokens an all-rows chunk computed to its sequence
+    (a preempted sequence computing them again keeps the first ones)."""
+    (seq,) = plan.seqs
+    rows = plan.inputs.sample_indices[: plan.num_tokens]
+    following = plan.inputs.positions[rows] + 1
+    for index in np.argsort(following):
+        if following[index] == len(seq.prompt_logprobs) + 1 < seq.num_prompt_tokens:
+            seq.prompt_logprobs.append(logprobs[index])

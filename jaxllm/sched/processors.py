@@ -64,10 +64,15 @@ class ProcessorSlots:
         self.new: set[int] = set()
         self.num_needing_host_tokens = 0
 
-    def added(self, seq: Sequence, live: bool = True) -> None:
-        """Counts a sequence that became live (or, with `live=False`, stopped being)."""
+    def added(self, seq: Sequence) -> None:
+        """Counts a sequence that became live."""
         if seq.processors is not None and seq.processors.has_multi_token_words:
-            self.num_needing_host_tokens += 1 if live else -1
+            self.num_needing_host_tokens += 1
+
+    def removed(self, seq: Sequence) -> None:
+        """Counts a live sequence that finished."""
+        if seq.processors is not None and seq.processors.has_multi_token_words:
+            self.num_needing_host_tokens -= 1
 
     def assign(self, seq: Sequence) -> None:
         if seq.processors is not None:
@@ -181,7 +186,7 @@ class ProcessorPlan(NamedTuple):
 
 
 def processor_plan(
-    seqs: list[Sequence], samples: list[bool], num_sampled: int, written: set[int]
+    seqs: list[Sequence], samples: list[bool], num_sampled: int, written: frozenset[int]
 ) -> ProcessorPlan | None:
     """The processing of a step of `seqs` (rows in order), None when no row asks for any;
     `written`: the ids of sequences whose slot is new, written whole."""

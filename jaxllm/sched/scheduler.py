@@ -23,7 +23,7 @@ from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
-from jaxllm.sched.plan import BucketLadder, StepPlan, plan_step
+from jaxllm.sched.plan import BucketLadder, StepPlan, keep_prompt_logprobs, plan_step
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
@@ -209,7 +209,7 @@ class Scheduler:
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
         if plan.all_rows and logprobs is not None:
-            self._keep_prompt_logprobs(plan, logprobs)
+            keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
         for index, (seq, samples, row, count) in enumerate(rows):
             for token in row[:count] if samples else ():
@@ -224,17 +224,6 @@ class Scheduler:
                     self._finish(seq, reason)
                     finished.append(seq)
         return finished
-
-    @staticmethod
-    def _keep_prompt_logprobs(plan: StepPlan, logprobs: np.ndarray) -> None:
-        """Appends the logprobs of the prompt tokens an all-rows chunk computed to its sequence
-        (a preempted sequence computing them again keeps the first ones)."""
-        (seq,) = plan.seqs
-        rows = plan.inputs.sample_indices[: plan.num_tokens]
-        following = plan.inputs.positions[rows] + 1
-        for index in np.argsort(following):
-            if following[index] == len(seq.prompt_logprobs) + 1 < seq.num_prompt_tokens:
-                seq.prompt_logprobs.append(logprobs[index])
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `seq` ends with its newest token `token`, if it does."""
@@ -347,7 +336,7 @@ class Scheduler:
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if any(seq.params.logprobs is not None or seq.processors for seq in running):
+        if any(seq.params.logprobs is not None or seq.processors is not None for seq in running):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
@@ -396,7 +385,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
-        self.slots.added(seq, live=False)
+        self.slots.removed(seq)
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""

@@ -312,3 +312,18 @@ def test_bad_word_ids_adds_the_spaced_variant_as_vllm_does():
     assert bad_word_ids(tokenizer, ("same",)) == ((6, 7),)
     assert bad_word_ids(tokenizer, (" ab", "hello")) == ((9, 10), (11, 12), (1, 2))  # lstrip
     assert bad_word_ids(tokenizer, (" ",)) == ()  # nothing left to ban
+
+
+def test_a_banned_token_stays_banned_under_a_penalty_that_rounds_to_zero():
+    """-inf times a repetition penalty of 1e-50 (0 in float32) would be NaN, which argmax picks."""
+    tokens = np.full((1, 4), IN_PROMPT, np.int32)  # every token in the prompt
+    bias = np.array([[0.0, -np.inf, 0.0, -np.inf]], np.float32)
+    penalties = np.array([[0.0, 0.0, 1e-50]], np.float32)
+    state = ProcessorState(jnp.asarray(tokens), jnp.asarray(bias), jnp.asarray(penalties))
+    logits = jnp.asarray([[1.0, 5.0, -2.0, 9.0]], jnp.float32)
+
+    processed = np.asarray(process(logits, state, jnp.asarray([0], jnp.int32)))
+
+    assert np.isneginf(processed[0, [1, 3]]).all()
+    assert not np.isnan(processed).any()
+    assert int(np.argmax(processed)) in (0, 2)
