@@ -1,0 +1,70 @@
+"""Per-token logprobs of whole sequences, for training loops (RL, distillation): the engine's own
+forward pass over a paged cache made for the call, differentiable in the params.
+
+The sequences of a batch are laid out as the engine lays out prefill chunks (`model/inputs.py`):
+each padded at the front to whole tiles, its tokens written to blocks of its own, every row's
+logits returned. With the portable attention every operation has a gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.model.attention import PORTABLE
+from jaxllm.model.config import Qwen3Config
+from jaxllm.model.inputs import ModelInputs
+from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.qwen3 import Params, forward
+
+TILE = 16
+BLOCK_SIZE = 16
+
+
+def sequence_logprobs(params: Params, config: Qwen3Config, token_ids: jax.Array) -> jax.Array:
+    """[B, L - 1] float32: log p(token_ids[b, t + 1] | token_ids[b, : t + 1]) under `params`,
+    computed as the engine computes logits; jittable, and differentiable in `params`.
+
+    Args:
+        params: a param tree like `LLM.params` (on one device).
+        token_ids: [B, L] token ids, each row a whole sequence (prompt and completion); the
+            shape is static, the values may be traced.
+    """
+    num_seqs, length = token_ids.shape
+    layout = _layout(num_seqs, length)
+    ids = jnp.zeros(layout.token_ids.shape, jnp.int32)
+    rows = layout.sample_indices.reshape(num_seqs, length)
+    inputs = layout._replace(token_ids=ids.at[rows].set(jnp.asarray(token_ids, jnp.int32)))
+    num_blocks = num_seqs * -(-length // BLOCK_SIZE)
+    kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE)
+    logits, _ = forward(params, config, kv_cache, inputs, PORTABLE)  # [B * L, V]
+    logits = logits.reshape(num_seqs, length, -1)[:, :-1]
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    targets = jnp.asarray(token_ids, jnp.int32)[:, 1:, None]
+    return jnp.take_along_axis(logprobs, targets, axis=-1)[..., 0]
+
+
+def _layout(num_seqs: int, length: int) -> ModelInputs:
+    """The inputs of B sequences of L tokens as one prefill step (numpy; token ids 0), every
+    real row sampled, in order."""
+    padded = -(-length // TILE) * TILE
+    padding = padded - length
+    blocks_per_seq = -(-length // BLOCK_SIZE)
+    seq = np.arange(num_seqs)[:, None]
+    rows = seq * padded + padding + np.arange(length)  # [B, L]
+    positions = np.zeros(num_seqs * padded, np.int32)
+    positions[rows] = np.arange(length)
+    slots = np.full(num_seqs * padded, -1, np.int32)
+    slots[rows] = (seq * blocks_per_seq) * BLOCK_SIZE + np.arange(length)
+    tiles_per_seq = padded // TILE
+    tables = seq * blocks_per_seq + np.arange(blocks_per_seq)  # [B, W]
+    context = (np.arange(tiles_per_seq) + 1) * TILE - padding  # [tiles per sequence]
+    return ModelInputs(
+        token_ids=np.zeros(num_seqs * padded, np.int32),
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=np.repeat(tables, tiles_per_seq, axis=0).astype(np.int32),
+        context_lens=np.tile(context, num_seqs).astype(np.int32),
+        sample_indices=rows.reshape(-1).astype(np.int32),
+    )
