@@ -121,8 +121,7 @@ class LLM:
 
     @property
     def params(self) -> Any:
-        """The weights the engine runs (a pytree of jax arrays, in the engine's layout: q/k/v
-        and gate/up fused); None after `sleep(level=2)` until `update_params`."""
+        """The weights run (jax arrays; q/k/v, gate/up fused); None after sleep(level=2)."""
         return self.engine.runner.params
 
     def update_params(self, params: Any) -> None:
@@ -138,8 +137,7 @@ class LLM:
             self.engine.update_params(params)
 
     def sleep(self, level: int = 1) -> None:
-        """Frees the KV cache's device memory (level 1) and drops the weights (level 2, for
-        `update_params` to replace); `wake_up` allocates the cache again, compiling nothing."""
+        """Frees the KV cache (level 1), and the weights (2); `wake_up` compiles nothing."""
         with self._lock:
             self.engine.sleep(level)
 
