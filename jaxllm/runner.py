@@ -36,7 +36,7 @@ from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched.plan import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, previous_rows
-from jaxllm.weights import placed_like
+from jaxllm.weights import from_hf_names, is_hf_named, placed_like
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,10 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
 
     def update_params(self, params: Params) -> None:
-        """Takes new weights, placed as the old ones (`weights.placed_like`)."""
+        """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of
+        Hugging Face names is laid out as the engine's first."""
+        if is_hf_named(params):
+            params = from_hf_names(params, self.config, self._param_shapes)
         self.params = placed_like(params, self.params or self._param_shapes)
 
     def sleep(self, weights: bool = False) -> None:

@@ -1,14 +1,66 @@
 """New weights for a running engine (`LLM.update_params`): checked against the params the
-executables were compiled for, and placed as those are, so nothing compiles again."""
+executables were compiled for, and placed as those are, so nothing compiles again. Weights
+named as in a Hugging Face checkpoint are laid out as the engine's first (`from_hf_names`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.model.config import Qwen3Config
+from jaxllm.model.loader import TIED_EXTRA, expected_tensors, get_path, set_path
+
 Params = Any
+
+
+def is_hf_named(params: Any) -> bool:
+    """A flat mapping of Hugging Face tensor names ("model.embed_tokens.weight", ...)."""
+    return isinstance(params, Mapping) and any("." in str(name) for name in params)
+
+
+def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params) -> Params:
+    """The param tree (structured as `shapes`) of tensors named as in a Hugging Face Qwen3
+    checkpoint, converted with jax.numpy where they are (q/k/v and gate/up fused, linear
+    weights transposed), so arrays on the devices stay there.
+
+    Raises:
+        ValueError: a tensor missing, unknown, or of another shape, naming it.
+    """
+    expected = expected_tensors(config, shapes)
+    unknown = sorted(set(named) - set(expected) - {TIED_EXTRA})
+    missing = sorted(set(expected) - set(named))
+    if unknown or missing:
+        raise ValueError(
+            f"Hugging Face weights: {'unknown ' + unknown[0] if unknown else 'no ' + missing[0]}"
+        )
+    tree: dict[str, Any] = {}
+    fused: dict[tuple[str, ...], dict[int, Any]] = {}
+    for name, tensor in expected.items():
+        array = named[name]
+        if tuple(np.shape(array)) != tensor.hf_shape:
+            raise ValueError(
+                f"{name} is {list(np.shape(array))}; the model's is {list(tensor.hf_shape)}"
+            )
+        array = jnp.asarray(array)
+        if tensor.layout.linear_in_axes:
+            array = array.T
+        if tensor.part is None:
+            param = get_path(shapes, tensor.param_path)
+            set_path(tree, tensor.param_path, array.reshape(param.shape))
+            continue
+        fused_shape, axis = get_path(shapes, tensor.param_path).shape, tensor.part.axis
+        part_shape = (*fused_shape[:axis], tensor.part.size, *fused_shape[axis + 1 :])
+        parts = fused.setdefault(tensor.param_path, {})
+        parts[tensor.part.start] = (axis, array.reshape(part_shape))
+    for path, parts in fused.items():
+        axis = next(iter(parts.values()))[0]
+        set_path(tree, path, jnp.concatenate([parts[k][1] for k in sorted(parts)], axis=axis))
+    return tree
 
 
 def placed_like(new: Params, current: Params) -> Params:

@@ -188,25 +188,25 @@ def _within(root: Path, file: Path) -> bool:
     return file.name != ".." and (file.parent.resolve() / file.name).is_relative_to(root)
 
 
-def _get(tree: dict[str, Any], param_path: tuple[str, ...]) -> Any:
+def get_path(tree: dict[str, Any], param_path: tuple[str, ...]) -> Any:
     for key in param_path:
         tree = tree[key]
     return tree
 
 
-def _set(tree: dict[str, Any], param_path: tuple[str, ...], value: Any) -> None:
+def set_path(tree: dict[str, Any], param_path: tuple[str, ...], value: Any) -> None:
     for key in param_path[:-1]:
         tree = tree.setdefault(key, {})
     tree[param_path[-1]] = value
 
 
-def _expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]:
+def expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]:
     """HF name -> where it goes and its shape, for every tensor of this config."""
     expected = {}
     for pattern, (path, layout, part) in hf_weights(config).items():
         for i in range(config.num_layers) if "{i}" in pattern else [None]:
             param_path = path if i is None else (f"layers_{i}", *path)
-            param_shape = _get(shapes, param_path).shape
+            param_shape = get_path(shapes, param_path).shape
             if part is not None:
                 param_shape = part.shape(param_shape)
             name = pattern.format(i=i)
@@ -235,7 +235,7 @@ def load_hf_checkpoint(
     config = config.replace(dtype=dtype or config.dtype)
     shapes = abstract_params(config)
     shardings = param_shardings(config, mesh or make_mesh(1))
-    expected = _expected_tensors(config, shapes)
+    expected = expected_tensors(config, shapes)
 
     with contextlib.ExitStack() as stack:
         handles, problems = {}, []
@@ -269,8 +269,8 @@ def load_hf_checkpoint(
         params: Params = {}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
             for param_path, names in by_param.items():
-                shape = _get(shapes, param_path).shape
-                sharding = _get(shardings, param_path)
+                shape = get_path(shapes, param_path).shape
+                sharding = get_path(shardings, param_path)
                 blocks = []
                 for device, index in sharding.addressable_devices_indices_map(shape).items():
                     host = np.empty(_block_shape(shape, index), config.jnp_dtype)
@@ -281,7 +281,7 @@ def load_hf_checkpoint(
                     blocks.append(jax.device_put(host, device).block_until_ready())
                     del host
                 array = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
-                _set(params, param_path, array)
+                set_path(params, param_path, array)
                 bar.update(len(names))
     return config, params
 

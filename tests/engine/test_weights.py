@@ -134,3 +134,17 @@ def test_no_update_or_sleep_while_a_stream_runs(fresh_llm, other_llm, checkpoint
     streamed = list(first.token_ids) + [t for delta in stream for t in delta.token_ids]
     assert streamed == checkpoint.greedy(prompt, NUM_TOKENS)
     assert_idle(fresh_llm)
+
+
+def test_update_params_takes_hugging_face_names(fresh_llm, other_checkpoint, greedy_prompts):
+    named = {
+        name: tensor.numpy() for name, tensor in other_checkpoint.torch_model.state_dict().items()
+    }
+    prompts, params = greedy_prompts[3:6], greedy_params(NUM_TOKENS)
+    fresh_llm.update_params(named)
+    expected = [other_checkpoint.greedy(prompt, NUM_TOKENS) for prompt in prompts]
+    assert tokens(fresh_llm.generate(prompts, params, use_tqdm=False)) == expected
+
+    del named["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.up_proj\.weight"):
+        fresh_llm.update_params(named)
