@@ -56,7 +56,9 @@ def test_interrupt_at_random_moments(entry, make_llm, greedy_prompts, greedy_ref
     duration = time.perf_counter() - start
     rng = np.random.default_rng(0)
     num_interrupted = 0
-    for delay in rng.uniform(0, duration, 16):
+    # NOTE: within the first 60% of a call, so that a call running faster than the timed one
+    # (a busy machine's timing) is still interrupted mostly.
+    for delay in rng.uniform(0, 0.6 * duration, 16):
         num_interrupted += interrupted(call, delay) is None
         assert llm.engine.runner.kv_cache is not None
         assert_serves_the_reference(llm, prompts, reference)
