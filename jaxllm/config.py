@@ -39,6 +39,10 @@ class EngineConfig:
             GPU, 1 on a CPU.
         max_logprobs: the most `SamplingParams.logprobs` a request may ask for (the top tokens
             every step with logprobs computes).
+        logprobs_mode: "raw_logprobs": generated tokens' logprobs from the model's logits;
+            "processed_logprobs": from the logits each row samples from, after penalties,
+            bias, temperature, top-k, top-p and min-p (removed tokens at -inf). Prompt
+            logprobs are raw either way.
 
     Integers may be Python or numpy integers, numbers numpy floats too (stored as Python
     values); booleans are not numbers, and flags must be booleans.
@@ -61,11 +65,13 @@ class EngineConfig:
     compile_at_startup: bool | None = None
     num_scheduler_steps: int | None = None
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, _OPTIONAL)
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # NOTE: sizes and positions travel to the device as int32.
 _INT32_LIMIT = 2**31
 
@@ -109,6 +115,11 @@ _CHECKS: dict[str, Check] = {
     "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
     "num_scheduler_steps": (as_int, lambda n: 1 <= n <= 64, "None or an integer in [1, 64]"),
     "max_logprobs": (as_int, _in_range(1, 1025), "an integer in [1, 1024]"),
+    "logprobs_mode": (
+        lambda mode: mode if isinstance(mode, str) else None,
+        lambda mode: mode in LOGPROBS_MODES,
+        f"one of {', '.join(LOGPROBS_MODES)}",
+    ),
 }
 # The fields whose None is a value of its own (see their docs).
 _OPTIONAL = frozenset(

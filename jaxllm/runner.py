@@ -80,6 +80,8 @@ class ModelRunner:
         num_blocks, block_size: the KV cache's capacity.
         max_sampled_rows: the most sampled rows of any bucket: every step returns this many.
         max_logprobs: the top tokens whose logprobs a step with logprobs returns.
+        processed_logprobs: logprobs of the logits each row samples from (after penalties,
+            temperature and filters), not of the model's raw logits.
         num_processor_slots: the logits processors' slots (`model.logits_processors`).
         processor_rows: the sampled rows of the buckets whose logits processing the first
             request that asks for it compiles all at once (empty: as steps need them).
@@ -99,6 +101,7 @@ class ModelRunner:
         block_size: int,
         max_sampled_rows: int,
         max_logprobs: int = 20,
+        processed_logprobs: bool = False,
         num_processor_slots: int = 1,
         processor_rows: tuple[int, ...] = (),
     ) -> None:
@@ -110,6 +113,7 @@ class ModelRunner:
         self.kernels = kernels
         self.mesh = mesh
         self.max_sampled_rows = max_sampled_rows
+        self._processed_logprobs = processed_logprobs
         self._replicated = replicated(mesh)
         forward = sharded_forward(config, mesh, kernels)
         self._forward = jax.jit(
@@ -129,6 +133,7 @@ class ModelRunner:
                 steps.logprob_step,
                 num_rows=max_sampled_rows,
                 num_top=min(max_logprobs, config.vocab_size),
+                processed=processed_logprobs,
             ),
             out_shardings=self._replicated,
         )
@@ -242,8 +247,9 @@ class ModelRunner:
                 tokens = jax.ShapeDtypeStruct(
                     (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
                 )
-                targets = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=self._replicated)
-                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens, targets)
+                like = (np.zeros(num_rows, np.int32), *SamplingInputs.padding(num_rows))
+                packed = _shapes(like, self._replicated)
+                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens, packed)
             self._logprob_executables |= _compile_all(logprob_programs, bar)
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
@@ -317,16 +323,16 @@ class ModelRunner:
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
-            if plan.processors is None:
-                tokens = self._run_sampler(bucket.num_sampled, mode, logits, sampling)
-            else:
+            processed = logits
+            if plan.processors is not None:
                 processed, rows = self.processors.apply(logits, plan.processors)
-                tokens = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
+            tokens = last = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
+            if plan.processors is not None:
                 self.processors.count(rows, tokens)
-            last = tokens
             if plan.logprobs:
-                targets = self._on_devices(plan.logprob_targets)
-                logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens, targets)
+                packed = self._on_devices(pack((plan.logprob_targets, *sampling)))
+                logits = processed if self._processed_logprobs else logits
+                logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens, packed)
         self._previous = (plan, last)
         return StepResult(tokens, logprobs)
 

@@ -43,7 +43,8 @@ class SamplingParams:
             completion i is seed + i).
         logprobs: return each generated token's log-probability and those of the `logprobs`
             most likely tokens (0: the generated token's only); at most the LLM's
-            max_logprobs (default 20).
+            max_logprobs (default 20). Of the model's raw logits, or of the processed ones
+            with the LLM's logprobs_mode="processed_logprobs".
         prompt_logprobs: the same for every prompt token but the first (None there). The
             prompt is then computed whole, without prefix-cache hits, in chunks of which every
             row is sampled.

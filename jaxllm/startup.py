@@ -199,6 +199,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             block_size=block_size,
             max_sampled_rows=ladder.max_sampled_rows,
             max_logprobs=config.max_logprobs,
+            processed_logprobs=config.logprobs_mode == "processed_logprobs",
             num_processor_slots=config.max_num_seqs,
             processor_rows=tuple(
                 sorted({bucket.num_sampled for bucket in ladder.buckets()})

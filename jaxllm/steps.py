@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
-from jaxllm.model.sampler import sample, token_logprobs
+from jaxllm.model.sampler import processed_logits, sample, token_logprobs
 from jaxllm.sched.plan import Bucket, StepPlan
 
 
@@ -124,10 +124,16 @@ def decode_steps(
     return jnp.pad(tokens, ((0, 0), (0, padding))), jnp.pad(last, (0, padding)), kv_cache
 
 
-def logprob_step(logits, tokens, targets, *, num_rows: int, num_top: int):
+def logprob_step(logits, tokens, packed, *, num_rows: int, num_top: int, processed: bool):
     """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows: of the token
-    each row sampled, or of its target where that is >= 0 (a prompt token)."""
+    each row sampled, or of its target where that is >= 0 (a prompt token). `packed` holds the
+    targets [S], then the rows' `SamplingInputs`; `processed`: of the logits each row samples
+    from (`sampler.processed_logits`), not the raw ones."""
     num_sampled = logits.shape[0]
+    like = (np.zeros(num_sampled, np.int32), *SamplingInputs.padding(num_sampled))
+    targets, *sampling = unpack(packed, like)
+    if processed:
+        logits = processed_logits(logits, SamplingInputs(*sampling))
     chosen = jnp.where(targets >= 0, targets, tokens[:num_sampled])
     values = token_logprobs(logits, chosen, num_top)
     return jnp.pad(values, ((0, num_rows - num_sampled), (0, 0)))

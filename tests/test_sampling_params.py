@@ -191,6 +191,9 @@ ENGINE_INVALID = [
     ("seed", 1.5),
     ("compile_at_startup", "yes"),
     ("compile_at_startup", 0),
+    ("max_logprobs", 0),
+    ("logprobs_mode", "processed_logits"),
+    ("logprobs_mode", None),
 ]
 
 

@@ -94,6 +94,34 @@ def sample(
         noise = jnp.where(is_greedy[:, None], 0.0, noise)
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    kept = _filtered(
+        scaled, is_greedy, greedy_tokens, inputs, candidate_block_size, num_candidate_blocks,
+        fallback=mode == "filtered",
+    )  # fmt: skip
+    sampled = jnp.argmax(kept + noise, axis=-1)
+    return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
+
+
+def processed_logits(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """[S, V] float32 the logits each row samples from: divided by its temperature, with the
+    tokens its top-k, top-p and min-p remove at -inf (vLLM's "processed" logits); a greedy
+    row's as they are."""
+    logits = logits.astype(jnp.float32)
+    is_greedy = inputs.temperature < GREEDY_TEMPERATURE
+    scaled = logits / jnp.where(is_greedy, 1.0, inputs.temperature)[:, None]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    kept = _filtered(
+        scaled, is_greedy, greedy_tokens, inputs, CANDIDATE_BLOCK_SIZE, NUM_CANDIDATE_BLOCKS
+    )
+    return jnp.where(is_greedy[:, None], logits, kept)
+
+
+def _filtered(
+    scaled, is_greedy, greedy_tokens, inputs, block_size: int, num_blocks: int, fallback=True
+) -> jax.Array:
+    """[S, V] the scaled logits [S, V] with the tokens top-k, top-p and min-p remove at -inf
+    (`fallback=False`: exact only for the rows `sampler_mode` gives "top-k")."""
+    vocab_size = scaled.shape[-1]
     row_max = jnp.max(scaled, axis=-1)  # [S]
     ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
     # NOTE: greedy rows switch their filters off, so they never cost a sort.
@@ -102,15 +130,13 @@ def sample(
     top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
     filtered = (top_k > 0) | (top_p < 1.0)
     threshold = _top_k_top_p_threshold(
-        scaled, ratio, row_max, top_k, top_p, filtered, candidate_block_size,
-        num_candidate_blocks, fallback=mode == "filtered",
-    )  # fmt: skip
+        scaled, ratio, row_max, top_k, top_p, filtered, block_size, num_blocks, fallback=fallback
+    )
     keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
     # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
     # it may round below a min_p near 1); without it a row could keep nothing.
     keep = keep | (jnp.arange(vocab_size)[None, :] == greedy_tokens[:, None])
-    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
-    return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
 def _mix32(x: jax.Array) -> jax.Array:

@@ -172,3 +172,36 @@ def test_sample_logprobs_build_each_dict_when_read_and_pickle_as_a_list():
     with pytest.raises(IndexError):
         logprobs[2]
     assert pickle.loads(pickle.dumps(logprobs)) == list(logprobs)
+
+
+def test_processed_logprobs_are_of_the_logits_sampled_from(make_llm, checkpoint, greedy_prompts):
+    """logprobs_mode="processed_logprobs": log-softmax after the repetition penalty, the
+    temperature and top-k (the tokens top-k removes at -inf), as a numpy reference computes
+    from transformers' logits; a greedy row's are of its penalized logits."""
+    llm = make_llm(logprobs_mode="processed_logprobs")
+    temperature, top_k, penalty = 0.7, 4, 1.3
+    sampled = SamplingParams(
+        temperature=temperature, top_k=top_k, repetition_penalty=penalty, max_tokens=6,
+        logprobs=TOP, seed=5, ignore_eos=True,
+    )  # fmt: skip
+    greedy = greedy_params(6, logprobs=TOP, repetition_penalty=penalty)
+    prompts = greedy_prompts[3:5]
+    for params, scale, keep in ((sampled, temperature, top_k), (greedy, 1.0, None)):
+        for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            (completion,) = output.outputs
+            for step, (token, entries) in enumerate(
+                zip(completion.token_ids, completion.logprobs, strict=True)
+            ):
+                seen = set(prompt) | set(completion.token_ids[:step])
+                logits = checkpoint.last_logits(prompt + completion.token_ids[:step])
+                for t in seen:
+                    logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+                logits = logits / scale
+                if keep is not None:
+                    logits[logits < np.sort(logits)[-keep]] = -np.inf
+                expected = logits - np.logaddexp.reduce(logits[np.isfinite(logits)])
+                assert entries[token].logprob == pytest.approx(expected[token], abs=1e-4)
+                for i, entry in entries.items():
+                    assert entry.logprob == pytest.approx(expected[i], abs=1e-4)
+                if keep is not None:  # the top entries past top-k are removed tokens
+                    assert sum(np.isfinite(e.logprob) for e in entries.values()) == keep
