@@ -187,7 +187,8 @@ def test_processed_logprobs_are_of_the_logits_sampled_from(make_llm, checkpoint,
     greedy = greedy_params(6, logprobs=TOP, repetition_penalty=penalty)
     prompts = greedy_prompts[3:5]
     for params, scale, keep in ((sampled, temperature, top_k), (greedy, 1.0, None)):
-        for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs, strict=True):
             (completion,) = output.outputs
             for step, (token, entries) in enumerate(
                 zip(completion.token_ids, completion.logprobs, strict=True)
