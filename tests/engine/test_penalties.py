@@ -75,17 +75,7 @@ def transformers_greedy(checkpoint, prompt: list[int], params: SamplingParams) -
         if params != greedy_params(num_tokens, **settings):
             processors = [VllmProcessors(len(prompt), params)]
             settings = dict(logits_processor=transformers.LogitsProcessorList(processors))
-        with torch.no_grad():
-            out = checkpoint.torch_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                pad_token_id=0,
-                **settings,
-            )
-        _references[key] = out[0, len(prompt) :].tolist()
+        _references[key] = checkpoint.greedy(prompt, num_tokens, **settings)
     return _references[key]
 
 

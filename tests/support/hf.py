@@ -86,8 +86,9 @@ class Checkpoint:
     path: Path
     torch_model: transformers.Qwen3ForCausalLM
 
-    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
-        """transformers' greedy continuation of exactly `num_tokens` tokens."""
+    def greedy(self, prompt: list[int], num_tokens: int, **settings) -> list[int]:
+        """transformers' greedy continuation of exactly `num_tokens` tokens (`settings`: more
+        arguments of `generate`, e.g. repetition_penalty or logits_processor)."""
         with torch.no_grad():
             out = self.torch_model.generate(
                 torch.tensor([prompt]),
@@ -96,6 +97,7 @@ class Checkpoint:
                 max_new_tokens=num_tokens,
                 min_new_tokens=num_tokens,
                 pad_token_id=0,
+                **settings,
             )
         return out[0, len(prompt) :].tolist()
 
