@@ -216,7 +216,9 @@ class Engine:
         the outputs of the requests that finished.
 
         So outputs arrive one call after their last step; a call with nothing left to plan
-        just applies the last step. A step that raises (a device error, an interrupt it did not
+        just applies the last step. While the plan needs every sampled token on the host (bad
+        words of several tokens: `Scheduler.needs_host_tokens`), the previous step's tokens are
+        applied first. A step that raises (a device error, an interrupt it did not
         hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
