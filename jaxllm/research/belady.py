@@ -12,10 +12,9 @@ whole prefix.
 
 The pool's hooks name blocks by id only, so the policy also needs two facts no hook gives it:
 each block's hash and how many requests have been admitted so far ("now").
-`BeladyPolicy.bind` takes both as callables, and `simulate_offline`, a copy of
-`cache_sim.simulate`'s step loop for arrival="order", binds them. Once `simulate` binds an
-offline policy itself, `simulate(requests, config, BeladyPolicy.for_requests(requests,
-block_size))` is the whole recipe.
+`BeladyPolicy.bind` takes both as callables; `cache_sim.simulate` binds them (`bind_run`), so
+`simulate(requests, config, BeladyPolicy.for_requests(requests, block_size))` is the whole
+recipe (with arrival="time", the requests in arrival order).
 
 An upper bound only with one request at a time (max_num_seqs=1): the pool is then a cache of
 fixed size, and no online policy beats it (tests/research/test_belady.py). With several
@@ -30,18 +29,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxllm.cache.eviction import EvictionPolicy, PriorityPolicy
+from jaxllm.cache.eviction import PriorityPolicy
 from jaxllm.cache.hashing import extend_block_hashes
-from jaxllm.research.cache_sim import SYNTHETIC_TOKEN, SimResult
+from jaxllm.research.cache_sim import SYNTHETIC_TOKEN
 from jaxllm.research.workloads import Request
-from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import Scheduler, SchedulerConfig
 from jaxllm.sched.sequence import Sequence as SchedSequence
 
 
@@ -148,6 +144,11 @@ class BeladyPolicy(PriorityPolicy):
         self._block_hash = block_hash
         self._num_admitted = num_admitted
 
+    def bind_run(self, pool, seqs: list[SchedSequence]) -> None:
+        """What `cache_sim.simulate` calls: binds the policy to its pool and to its sequences,
+        in the order they are added (the requests' order, or their arrival order)."""
+        self.bind(pool.block_hash, AdmissionCounter(seqs))
+
     def next_use(self, block_hash: int, num_admitted: int) -> int:
         """The position of the first request at or after `num_admitted` that looks up
         `block_hash` with no refill before it; `num_requests` (never) when there is none."""
@@ -165,7 +166,7 @@ class BeladyPolicy(PriorityPolicy):
 
     def priority(self, block_id: int) -> tuple[int, int]:
         if self._block_hash is None or self._num_admitted is None:
-            raise RuntimeError("BeladyPolicy needs bind() before use: run it with simulate_offline")
+            raise RuntimeError("BeladyPolicy needs bind() before use: run it in cache_sim.simulate")
         block_hash = self._block_hash(block_id)
         assert block_hash is not None, f"freed block {block_id} is not cached"
         next_use = self.next_use(block_hash, self._num_admitted())
@@ -194,75 +195,3 @@ class AdmissionCounter:
             count += 1
         self._count = count
         return count
-
-
-def simulate_offline(
-    requests: Sequence[Request],
-    config: SchedulerConfig,
-    policy: str | EvictionPolicy = "lru",
-    *,
-    check_integrity: bool = False,
-) -> SimResult:
-    """`cache_sim.simulate(requests, config, policy)` with arrival="order" and no step time,
-    binding a `BeladyPolicy` to the run (its pool's block hashes and the admission count).
-
-    The same step loop (plan step N, then update step N - 1), so for the online policies its
-    result equals `simulate`'s but for `wall_seconds`.
-    """
-    start_wall = time.perf_counter()
-    scheduler = Scheduler(config, eviction_policy=policy)
-    seqs: list[SchedSequence] = []
-    for request in requests:
-        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
-        seq = scheduler.new_sequence(request.prompt_token_ids, params)
-        scheduler.add(seq)
-        seqs.append(seq)
-    pool_policy = scheduler.block_pool.policy
-    if isinstance(pool_policy, BeladyPolicy):
-        pool_policy.bind(scheduler.block_pool.block_hash, AdmissionCounter(seqs))
-    tokens = np.full(max(config.max_num_seqs, 1), SYNTHETIC_TOKEN, dtype=np.int32)
-    waiting_for_first_token = {seq.seq_id for seq in seqs}
-    ttft_steps_total = num_prefill_tokens = num_prefill_steps = num_decode_steps = step = 0
-    in_flight = None
-    while scheduler.has_unfinished() or in_flight is not None:
-        plan = scheduler.schedule()
-        if in_flight is not None:
-            scheduler.update(in_flight, tokens)
-        in_flight = plan
-        if plan is None:
-            continue
-        step += 1
-        if plan.is_prefill:
-            num_prefill_steps += 1
-            num_prefill_tokens += plan.num_tokens
-            for seq, samples in zip(plan.seqs, plan.samples, strict=True):
-                if samples and seq.seq_id in waiting_for_first_token:
-                    waiting_for_first_token.remove(seq.seq_id)
-                    ttft_steps_total += step
-        else:
-            num_decode_steps += 1
-        if check_integrity:
-            scheduler.check_integrity()
-    stats = scheduler.stats()
-    name = policy if isinstance(policy, str) else (policy.name or type(policy).__name__)
-    return SimResult(
-        policy=name.lower(),
-        num_blocks=config.num_blocks,
-        block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching,
-        num_requests=len(requests),
-        num_prompt_tokens=sum(r.num_prompt_tokens for r in requests),
-        num_output_tokens=sum(r.max_tokens for r in requests),
-        num_queried_tokens=stats.num_queried_tokens,
-        num_hit_tokens=stats.num_hit_tokens,
-        num_prompt_hit_tokens=sum(seq.num_cached_tokens or 0 for seq in seqs),
-        num_prefill_tokens=num_prefill_tokens,
-        num_evictions=stats.num_evictions,
-        num_preemptions=scheduler.num_preemptions,
-        num_prefill_steps=num_prefill_steps,
-        num_decode_steps=num_decode_steps,
-        mean_ttft_steps=ttft_steps_total / len(requests) if requests else 0.0,
-        simulated_seconds=0.0,
-        wall_seconds=time.perf_counter() - start_wall,
-        hit_rate=stats.hit_rate,
-    )

@@ -171,6 +171,10 @@ def simulate(
     order = sorted(range(len(requests)), key=arrivals.__getitem__)
     tokens = np.full(max(config.max_num_seqs, 1), SYNTHETIC_TOKEN, dtype=np.int32)
     seqs = []
+    # NOTE: an offline policy (`belady.BeladyPolicy`) learns the run it replays.
+    bind_run = getattr(scheduler.block_pool.policy, "bind_run", None)
+    if bind_run is not None:
+        bind_run(scheduler.block_pool, seqs)
     arrival_step: dict[int, int] = {}  # seq_id -> the first step it could run in
     ttft_steps_total = 0
     num_prefill_tokens = num_prefill_steps = num_decode_steps = 0

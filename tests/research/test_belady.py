@@ -15,7 +15,6 @@ from jaxllm.research.belady import (
     BeladyPolicy,
     block_accesses,
     num_cached_blocks,
-    simulate_offline,
 )
 from jaxllm.research.cache_sim import POLICY_NAMES, make_config, simulate
 from jaxllm.research.workloads import Request
@@ -48,7 +47,7 @@ def sequential_config(requests, num_blocks):
 def hit_blocks(requests, config, policy) -> int:
     if policy == "belady":
         policy = BeladyPolicy.for_requests(requests, config.block_size)
-    result = simulate_offline(requests, config, policy, check_integrity=True)
+    result = simulate(requests, config, policy, check_integrity=True)
     assert result.num_preemptions == 0
     return result.num_hit_tokens // BLOCK
 
@@ -79,7 +78,7 @@ def test_belady_matches_lfu_on_hot_prefix_with_scans():
     config = make_config(
         requests, 8 + 1, block_size=16, max_num_seqs=1, max_num_batched_tokens=32, prefill_tile=16
     )
-    belady = simulate_offline(requests, config, BeladyPolicy.for_requests(requests, 16))
+    belady = simulate(requests, config, BeladyPolicy.for_requests(requests, 16))
     lfu = simulate(requests, config, "lfu")
     assert belady.num_hit_tokens // 16 == lfu.num_hit_tokens // 16 == 8 * 24 // 2 - 1
     assert belady.policy == "belady"
@@ -162,24 +161,12 @@ def test_block_accesses_follow_the_scheduler():
     assert policy.next_use(second, 1) == 3  # refilled at 1 before its lookup at 2: never
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_simulate_offline_is_simulate(policy):
-    """The copy of the step loop reports what `simulate` does, evictions and preemptions
-    included."""
-    requests = w.multi_turn_chat(6, 3, 32, 8, 24, seed=1) + w.shared_prefix(3, 3, 40, 8, 30)
-    config = make_config(
-        requests, 24, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, prefill_tile=16
-    )
-    expected = simulate(requests, config, policy).as_dict()
-    result = simulate_offline(requests, config, policy, check_integrity=True).as_dict()
-    assert result["num_evictions"] > 0 and result["num_preemptions"] > 0
-    assert {**result, "wall_seconds": 0} == {**expected, "wall_seconds": 0}
-
-
 def test_belady_needs_its_run():
     requests = one_block_requests("ABA")
-    with pytest.raises(RuntimeError, match="bind"):
-        simulate(requests, sequential_config(requests, 3), BeladyPolicy.for_requests(requests, 4))
+    policy = BeladyPolicy.for_requests(requests, 4)
+    policy.on_cache(0)
+    with pytest.raises(RuntimeError, match="bind"):  # outside `simulate`, nothing binds it
+        policy.priority(0)
 
 
 @st.composite
@@ -245,8 +232,8 @@ def test_admissions_in_one_step_can_beat_belady():
     config = make_config(
         requests, 8, block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=16, prefill_tile=4
     )
-    belady = simulate_offline(requests, config, BeladyPolicy.for_requests(requests, BLOCK))
-    fifo = simulate_offline(requests, config, "fifo")
+    belady = simulate(requests, config, BeladyPolicy.for_requests(requests, BLOCK))
+    fifo = simulate(requests, config, "fifo")
     assert belady.num_preemptions == fifo.num_preemptions == 0
     assert belady.num_hit_tokens == (3 + 1 + 1) * BLOCK
     assert fifo.num_hit_tokens == (3 + 0 + 3) * BLOCK
