@@ -213,12 +213,13 @@ def plan_step(
     counts: list[int],
     num_steps: int = 1,
     all_rows: bool = False,
-    new_slots: frozenset[int] = frozenset(),
+    new_slots: frozenset[int] | None = None,
 ) -> StepPlan:
     """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
     `seqs[i]`, its arrays padded to the smallest bucket. A decode plan computes one token per
     sequence in each of its `num_steps` steps, `counts[i]` <= `num_steps` of them its own.
-    `new_slots`: the ids of sequences whose logits processors' slot is written in this step."""
+    `new_slots`: the ids of sequences whose logits processors' slot is written in this step;
+    None when no sequence holds a slot (no row to look at)."""
     starts_array = np.array(starts, dtype=np.int64)  # [n]
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
@@ -260,7 +261,9 @@ def plan_step(
         following = inputs.positions[order] + 1
         in_prompt = following < seq.num_prompt_tokens
         targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
-    processors = processor_plan(seqs, samples, bucket.num_sampled, new_slots)
+    processors = None
+    if new_slots is not None:
+        processors = processor_plan(seqs, samples, bucket.num_sampled, new_slots)
     return StepPlan(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
         processors,

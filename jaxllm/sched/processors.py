@@ -85,6 +85,10 @@ class ProcessorSlots:
             seq.processors.slot = None
             self.new.discard(seq.seq_id)
 
+    @property
+    def num_held(self) -> int:
+        return self.num_slots - len(self.free)
+
     def take_new(self) -> frozenset[int]:
         new, self.new = frozenset(self.new), set()
         return new

@@ -175,7 +175,7 @@ class Scheduler:
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
         plan = plan_step(
             self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows,
-            self.slots.take_new(),
+            self.slots.take_new() if self.slots.num_held else None,
         )  # fmt: skip
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
