@@ -30,9 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="default: the platform's embedded model")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.7,
+        help="the engine's share of device memory; the rest holds the trainer's new weights",
+    )
     args = parser.parse_args(argv)
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, gpu_memory_utilization=args.gpu_memory_utilization)
     prompts = [list(range(100 + i, 164 + i)) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
     llm.generate(prompts, params, use_tqdm=False)  # every executable of the timed calls ready
