@@ -165,8 +165,15 @@ def _gumbel_noise(
     high_key = row_key ^ _mix32(seed_high.astype(jnp.uint32))  # [S]
     index = jnp.arange(vocab_size, dtype=jnp.uint32)
     bits = _mix32(_mix32(index[None, :] * golden + row_key[:, None]) ^ high_key[:, None])
-    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -jnp.log(-jnp.log(uniform))
+    return -jnp.log(-jnp.log(uniform_open(bits)))
+
+
+def uniform_open(bits: jax.Array) -> jax.Array:
+    """uint32 random bits as float32 uniform in the open interval (0, 1), so the Gumbel noise
+    is finite: a banned token's -inf plus +inf noise would be NaN, which argmax picks."""
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    # NOTE: the top value, 1 - 2**-25, rounds to 1.0 in float32.
+    return jnp.minimum(uniform, jnp.float32(1.0 - 2.0**-24))
 
 
 def _top_k_top_p_threshold(

@@ -386,3 +386,32 @@ def test_top_k_by_blocks_equals_lax_top_k(vocab_size, k, block_size, levels, see
     expected_top, expected_ids = jax.lax.top_k(jnp.asarray(values), k)
     np.testing.assert_array_equal(top, expected_top)
     np.testing.assert_array_equal(ids, expected_ids)
+
+
+def test_noise_is_finite_at_the_extreme_bits():
+    """The top 24-bit value would round to 1.0 in float32, giving +inf noise; a banned
+    token's -inf plus it is NaN, which argmax would pick."""
+    bits = jnp.array([0, 255, 0xFFFF_FF00, 0xFFFF_FFFF], jnp.uint32)
+    uniform = np.asarray(sampler_module.uniform_open(bits))
+    assert ((uniform > 0) & (uniform < 1)).all()
+    assert np.isfinite(-np.log(-np.log(uniform))).all()
+
+
+@pytest.mark.parametrize("mode", ["random", "filtered"])
+def test_banned_tokens_are_never_sampled(mode):
+    """Every token but a few is -inf, over many seeds and steps of a vocabulary-sized row: each
+    of ~10^6 noise draws could be the one at the top of the uniform range."""
+    vocab, num_rows = 151_936, 64
+    allowed = np.array([3, 77, 100_000])
+    logits = np.full((num_rows, vocab), -np.inf, np.float32)
+    logits[:, allowed] = 0.0
+    params = [
+        SamplingParams(seed=seed, top_p=0.9 if mode == "filtered" else 1.0)
+        for seed in range(num_rows)
+    ]
+    for step in range(4):
+        inputs = SamplingInputs.from_params(params, [step] * num_rows)
+        tokens = np.asarray(
+            jax.jit(sample, static_argnames="mode")(jnp.asarray(logits), inputs, mode=mode)
+        )
+        assert np.isin(tokens, allowed).all()
