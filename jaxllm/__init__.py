@@ -6,13 +6,21 @@ engine's names below are imported lazily: `import jaxllm.cache` stays light.
 
 from typing import TYPE_CHECKING
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from jaxllm.llm import LLM, generate
     from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "generate",
+]
 __version__ = "0.1.0"
 
 _LAZY = {

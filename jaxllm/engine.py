@@ -27,6 +27,7 @@ from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
 from jaxllm.steps import StepResult
+from jaxllm.structured import Grammars, SequenceGrammar
 
 
 @dataclass(eq=False)
@@ -86,6 +87,8 @@ class Engine:
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
         self._by_seq: dict[int, Request] = {}
         self._in_flight: tuple[StepPlan, StepResult] | None = None
+        eos = scheduler.config.eos_token_ids
+        self.grammars = Grammars(tokenizer, runner.config.vocab_size, eos)
 
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
@@ -93,8 +96,10 @@ class Engine:
         """A request, validated but not queued (`add` queues it); changes nothing else.
 
         Raises:
-            ValueError: a token id outside the vocabulary, logprobs above max_logprobs, or a
-                request the scheduler refuses (`Scheduler.new_sequence`).
+            ValueError: a token id outside the vocabulary, logprobs above max_logprobs, an
+                invalid structured output, or a request the scheduler refuses
+                (`Scheduler.new_sequence`).
+            ImportError: structured outputs without llguidance installed.
         """
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -111,6 +116,9 @@ class Engine:
                 f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
             )
         bad_words = self._check_processors(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         seqs, stop_strings = [], []
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
@@ -118,9 +126,11 @@ class Engine:
             processors = None
             if params.processes_logits:
                 processors = SequenceProcessors(vocab, bad_words)
-            seqs.append(
-                self.scheduler.new_sequence(prompt_token_ids, child, stop_strings[-1], processors)
+            sequence_grammar = None if grammar is None else SequenceGrammar(grammar)
+            seq = self.scheduler.new_sequence(
+                prompt_token_ids, child, stop_strings[-1], processors, sequence_grammar
             )
+            seqs.append(seq)
             seqs[-1].parent = seqs[0] if index else None
         return Request(seqs, prompt, RequestMetrics(arrival_time=0.0), stop_strings)
 
@@ -222,18 +232,40 @@ class Engine:
         hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
-        try:
-            outputs, wait_seconds = [], 0.0
-            if self._in_flight is not None and self.scheduler.needs_host_tokens:
+        outputs: list[RequestOutput] = []
+        seconds = {"wait": 0.0, "masks": 0.0}
+
+        def apply_in_flight() -> None:
+            if self._in_flight is not None:
                 in_flight, self._in_flight = self._in_flight, None
-                outputs, wait_seconds = self._update(*in_flight)
+                finished, seconds["wait"] = self._update(*in_flight)
+                outputs.extend(finished)
+
+        try:
+            if self.scheduler.needs_host_tokens:
+                apply_in_flight()
             plan = self.scheduler.schedule()
             dispatch_start = time.perf_counter()
-            result = None if plan is None else self.runner.execute(plan)
-            dispatch_seconds = time.perf_counter() - dispatch_start
-            in_flight, self._in_flight = self._in_flight, None
-            if in_flight is not None:
-                outputs, wait_seconds = self._update(*in_flight)
+            result = None
+            if plan is not None:
+                constrained = self._constrained_rows(plan)
+
+                def masks() -> np.ndarray:
+                    """The plan's token masks, after the previous step's tokens are applied."""
+                    apply_in_flight()
+                    masks_start = time.perf_counter()
+                    live = [
+                        (row, grammar) for row, seq, grammar in constrained if not seq.is_finished
+                    ]
+                    bitmask = self.grammars.bitmask(live, plan.bucket.num_sampled)
+                    seconds["masks"] = time.perf_counter() - masks_start
+                    return bitmask
+
+                result = self.runner.execute(plan, masks if constrained else None)
+            elif self._in_flight is None and self.scheduler.has_unfinished():
+                self.grammars.wait()  # nothing runs: what waits needs its grammar
+            dispatch_seconds = time.perf_counter() - dispatch_start - seconds["wait"]
+            apply_in_flight()
         except BaseException:
             self.reset()
             raise
@@ -244,8 +276,16 @@ class Engine:
             kind.seconds += time.perf_counter() - start
             kind.steps += 1
             kind.dispatch_seconds += dispatch_seconds
-            kind.wait_seconds += wait_seconds
+            kind.wait_seconds += seconds["wait"]
+            kind.masks_seconds += seconds["masks"]
         return outputs
+
+    def _constrained_rows(self, plan: StepPlan) -> list[tuple[int, Sequence, SequenceGrammar]]:
+        """(row, sequence, grammar) of each row of `plan` that samples under a grammar."""
+        if not self.scheduler.num_constrained:
+            return []
+        rows = zip(plan.seqs, plan.samples, strict=True)
+        return [(row, seq, seq.grammar) for row, (seq, s) in enumerate(rows) if s and seq.grammar]
 
     def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:
         """Waits for a step's tokens and applies them; returns the outputs of the requests that

@@ -186,7 +186,9 @@ class StepStats:
 
     `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into
     `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
-    under this step's kind: the first decode step after a prefill waits for that prefill).
+    under this step's kind: the first decode step after a prefill waits for that prefill);
+    `masks_seconds`, part of the dispatch, into filling structured outputs' token masks while
+    the device runs the forward pass.
     """
 
     tokens: int = 0
@@ -194,6 +196,7 @@ class StepStats:
     steps: int = 0
     dispatch_seconds: float = 0.0
     wait_seconds: float = 0.0
+    masks_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -224,4 +227,5 @@ class EngineStats:
             "decode_ms_per_step": per_step(decode.seconds),
             "decode_dispatch_ms_per_step": per_step(decode.dispatch_seconds),
             "decode_wait_ms_per_step": per_step(decode.wait_seconds),
+            "decode_masks_ms_per_step": per_step(decode.masks_seconds),
         }

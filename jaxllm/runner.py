@@ -16,7 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -303,9 +303,11 @@ class ModelRunner:
             )
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None) -> StepResult:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
-        without waiting for them."""
+        without waiting for them. `masks`, for a one-step plan with constrained rows: called
+        once the forward pass is dispatched (the host's work in it overlaps the device's), it
+        gives the token bitmask of the sampled rows (`structured.Grammars.bitmask`)."""
         bucket, sampling = plan.bucket, plan.sampling
         vocab = self.config.vocab_size
         mode = sampler_mode(
@@ -324,8 +326,10 @@ class ModelRunner:
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
             processed = logits
+            if masks is not None:
+                processed = self.processors.mask(logits, masks())
             if plan.processors is not None:
-                processed, rows = self.processors.apply(logits, plan.processors)
+                processed, rows = self.processors.apply(processed, plan.processors)
             tokens = last = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
             if plan.processors is not None:
                 self.processors.count(rows, tokens)

@@ -8,6 +8,7 @@ messages quote it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,85 @@ import numpy as np
 
 # A seed's range: any 64-bit unsigned value (the device keys its stream with all 64 bits).
 SEED_LIMIT = 2**64
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's names): exactly one of its fields is set.
+
+    Each sampled token is one the constraint still allows; eos only where the text so far is
+    complete, and the request stops ("stop") once the constraint admits nothing more. Needs the
+    `structured` extra (llguidance): `pip install 'jaxllm[structured]'`.
+
+    Attributes:
+        json: a JSON schema (a dict, or its text) the output is an instance of.
+        regex: a regular expression the whole output matches (Rust's `regex` syntax).
+        choice: the output is one of these strings.
+        grammar: a context-free grammar, in Lark or GBNF (llama.cpp's EBNF) syntax.
+        json_object: the output is any JSON object.
+        disable_any_whitespace: JSON without whitespace between its tokens (by default any
+            whitespace is allowed there, as JSON allows).
+
+    Raises:
+        ValueError: none or several of the fields set, or one of the wrong type (a schema that
+            is not JSON, an empty choice list), naming the field.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        prefix = "StructuredOutputsParams."
+        kinds = ("json", "regex", "choice", "grammar")
+        given = [name for name in kinds if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams: exactly one of json, regex, choice, grammar and "
+                f"json_object must be set, got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None:
+            choice = None if isinstance(self.choice, str) else _as_tuple(self.choice, _choice)
+            if not choice:
+                raise ValueError(
+                    f"{prefix}choice must be a non-empty list of strings, got {shown(self.choice)}"
+                )
+            object.__setattr__(self, "choice", choice)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"{prefix}json is not valid JSON: {error}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                f"{prefix}json must be a dict or its JSON text, got {shown(self.json)}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{prefix}{name} must be a string, got {shown(value)}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if as_bool(getattr(self, name)) is None:
+                raise ValueError(f"{prefix}{name} must be True or False")
+
+    @property
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): the constraint as llguidance's `grammar_from` takes it; equal specs
+        are one grammar."""
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.json is not None:
+            text = (
+                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            )
+            return "json", text
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass(frozen=True)
@@ -58,6 +138,8 @@ class SamplingParams:
         allowed_token_ids: only these tokens may be sampled.
         bad_words: words never generated: the last token of each word (and of the word after
             a space) is banned whenever the output ends with the tokens before it.
+        structured_outputs: a JSON schema, regex, choice or grammar the output follows
+            (`StructuredOutputsParams`).
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -83,6 +165,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -199,6 +282,10 @@ def _stop_string(value: object) -> str | None:
     return str(value) if isinstance(value, str) and value else None
 
 
+def _choice(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _token_id(value: object) -> int | None:
     token = as_int(value)
     return token if token is not None and token >= 0 else None
@@ -268,6 +355,11 @@ _CHECKS: dict[str, Check] = {
         lambda _: True,
         "None, a non-empty string or a list of non-empty strings",
     ),
+    "structured_outputs": (
+        lambda value: value if isinstance(value, StructuredOutputsParams) else None,
+        lambda _: True,
+        "None or a StructuredOutputsParams",
+    ),
 }
 # The fields whose None is a value of its own (not given).
 _OPTIONAL = frozenset(
@@ -280,5 +372,6 @@ _OPTIONAL = frozenset(
         "logit_bias",
         "allowed_token_ids",
         "bad_words",
+        "structured_outputs",
     }
 )

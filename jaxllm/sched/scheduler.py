@@ -61,6 +61,7 @@ class Scheduler:
         self.sampling_last: list[Sequence] = []
         self.num_preemptions = 0
         self.slots = ProcessorSlots(config.max_num_seqs)  # the logits processors'
+        self.num_constrained = 0  # live sequences with a grammar
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self._eos = frozenset(config.eos_token_ids)
@@ -71,45 +72,22 @@ class Scheduler:
         params: SamplingParams | None = None,
         stop_strings: StopStringCheck | None = None,
         processors: SequenceProcessors | None = None,
+        grammar=None,
     ) -> Sequence:
         """A request as a `Sequence`, not yet queued (`add` queues it); changes nothing else.
+        `processors` and `grammar`: see `Sequence`.
 
         Raises:
-            ValueError: a request that could never complete: an empty prompt, ids outside
-                [0, 2**31), a prompt of max_model_len tokens or more, or a prompt plus
-                max_tokens needing more KV blocks than the whole cache.
+            ValueError: a request that could never complete (`SchedulerConfig.check_request`).
         """
-        cfg = self.config
         params = params or SamplingParams()
-        prompt = np.asarray(prompt_token_ids)
-        if prompt.ndim != 1 or len(prompt) == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(
-                "the prompt is empty or not a list of token ids: prompt_token_ids must be a "
-                "non-empty list of token ids"
-            )
-        if prompt.min() < 0 or prompt.max() >= 2**31:
-            raise ValueError("token ids must be in [0, 2**31)")
-        num_prompt = len(prompt)
-        if num_prompt >= cfg.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens; max_model_len={cfg.max_model_len} leaves "
-                "no room for an output token"
-            )
-        max_tokens = min(params.max_tokens, cfg.max_model_len - num_prompt)
-        # NOTE: the last sampled token is never fed back, so its K/V needs no slot.
-        blocks_needed = -(-(num_prompt + max_tokens - 1) // cfg.block_size)
-        if blocks_needed > cfg.num_blocks:
-            raise ValueError(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "
-                f"{blocks_needed} KV blocks of {cfg.block_size} tokens, but the whole cache has "
-                f"{cfg.num_blocks}; shorten the request or give the cache more memory"
-            )
+        prompt, max_tokens = self.config.check_request(prompt_token_ids, params.max_tokens)
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self._eos
         return Sequence(
             next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
-            stop_strings=stop_strings, processors=processors,
+            stop_strings=stop_strings, processors=processors, grammar=grammar,
         )  # fmt: skip
 
     def add(self, seq: Sequence) -> None:
@@ -117,6 +95,7 @@ class Scheduler:
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
         self.slots.added(seq)
+        self.num_constrained += seq.grammar is not None
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes the live sequence `seq_id` with reason "abort"; None if there is none."""
@@ -137,6 +116,7 @@ class Scheduler:
             queue.clear()
         self.block_pool.reset()
         self.slots.reset()
+        self.num_constrained = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -155,7 +135,8 @@ class Scheduler:
         return self.block_pool.stats()
 
     def schedule(self) -> StepPlan | None:
-        """Plans the next step; None when nothing is left to run.
+        """Plans the next step; None when nothing is left to run (or what is left waits for
+        its grammar to compile).
 
         Mutates: admits waiting sequences (allocating blocks, prefix hits included), allocates
         decode slots, preempts when blocks run out, and records what the plan computes: computed
@@ -165,6 +146,8 @@ class Scheduler:
         """
         chunks = self._schedule_prefill() or self._schedule_decode()
         if chunks is None:
+            if any(seq.grammar is not None and not seq.grammar.ready for seq in self.waiting):
+                return None  # what waits needs its grammar, compiling in the background
             if self.waiting and not self.running:
                 # NOTE: unreachable while `new_sequence` refuses what can never fit; fail loudly.
                 raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
@@ -202,8 +185,9 @@ class Scheduler:
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
-        sequences that stop: a stop token or string once min_tokens are out ("stop"), or
-        max_tokens reached ("length"). Sequences finished since the plan are skipped.
+        sequences that stop: a stop token or string once min_tokens are out, or a grammar that
+        admits nothing more ("stop"), or max_tokens reached ("length"). Sequences finished
+        since the plan are skipped.
         """
         tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
@@ -217,6 +201,8 @@ class Scheduler:
                     break
                 position = seq.num_tokens
                 seq.append_token(token, None if logprobs is None else logprobs[index])
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
                 reason = self._finish_reason(seq, token)
@@ -230,7 +216,7 @@ class Scheduler:
         # NOTE: the stop strings see every token, so their text stays whole.
         stop_string = seq.stop_strings is not None and seq.stop_strings(token)
         stop_token = token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens
-        if stop_string or stop_token:
+        if stop_string or stop_token or (seq.grammar is not None and seq.grammar.is_terminated):
             return "stop"
         return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
@@ -272,8 +258,12 @@ class Scheduler:
                 break
             if seq.num_tokens - seq.num_computed_tokens > 1:
                 add_chunk(seq)
+        compiling = []  # waiting for their grammars: those behind them go first
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.grammar is not None and not seq.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if seq.wants_prompt_logprobs and seqs:
                 break
             if cfg.enable_prefix_caching and seq.parent is not None and seq.parent.is_prefilling:
@@ -287,6 +277,7 @@ class Scheduler:
                 add_chunk(seq)
                 break
             add_chunk(seq)
+        self.waiting.extendleft(reversed(compiling))
         return ("prefill", seqs, counts) if seqs else None
 
     def _admit(self, seq: Sequence) -> bool:
@@ -331,12 +322,14 @@ class Scheduler:
     def _multi_step_counts(self) -> list[int] | None:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
-        something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs, or the
-        blocks are not free."""
+        something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs, logits
+        processing or a grammar, or the blocks are not free."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if any(seq.params.logprobs is not None or seq.processors is not None for seq in running):
+        if self.num_constrained or any(
+            seq.params.logprobs is not None or seq.processors is not None for seq in running
+        ):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
@@ -386,6 +379,7 @@ class Scheduler:
         seq.finish_reason = reason
         del self._live[seq.seq_id]
         self.slots.removed(seq)
+        self.num_constrained -= seq.grammar is not None
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""

@@ -50,6 +50,8 @@ class Sequence:
             computed so far.
         processors: its logits processors' host side (slot, bad words); None when its
             params ask for none.
+        grammar: the matcher of its structured output (`jaxllm.structured.SequenceGrammar`:
+            `ready`, `accept(token)`, `is_terminated`); None when it has none.
         parent: another completion of the same request, whose prompt this one waits to find
             in the prefix cache while it is being prefilled; None for the first.
     """
@@ -59,6 +61,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "finish_reason",
+        "grammar",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -87,6 +90,7 @@ class Sequence:
         stop_token_ids: frozenset[int] = frozenset(),
         stop_strings: StopStringCheck | None = None,
         processors: SequenceProcessors | None = None,
+        grammar=None,
     ) -> None:
         num_prompt = len(prompt_token_ids)
         self.seq_id = seq_id
@@ -95,6 +99,7 @@ class Sequence:
         self.stop_token_ids = stop_token_ids
         self.stop_strings = stop_strings
         self.processors = processors
+        self.grammar = grammar
         self._tokens = np.zeros(num_prompt + max_tokens, dtype=np.int32)
         self._tokens[:num_prompt] = prompt_token_ids
         self.num_prompt_tokens = num_prompt

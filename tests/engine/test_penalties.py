@@ -103,7 +103,9 @@ def test_repetition_penalty_equals_transformers(
     plans = []
     execute = llm.engine.runner.execute
     monkeypatch.setattr(
-        llm.engine.runner, "execute", lambda plan: plans.append(plan) or execute(plan)
+        llm.engine.runner,
+        "execute",
+        lambda plan, *masks: plans.append(plan) or execute(plan, *masks),
     )
     for first in (0, 1):
         params = [penalized if (i + first) % 2 == 0 else plain for i in range(len(prompts))]

@@ -74,11 +74,11 @@ def test_interrupt_inside_a_step_is_held_until_the_step_ends(
     runner = llm.engine.runner
     execute = runner.execute
 
-    def interrupting_execute(plan):
+    def interrupting_execute(plan, *masks):
         runner.execute = execute
         _thread.interrupt_main()  # arrives while the step runs
         time.sleep(0.01)
-        return execute(plan)
+        return execute(plan, *masks)
 
     runner.execute = interrupting_execute
     try:
@@ -99,7 +99,7 @@ def test_a_failed_step_resets_the_engine(make_llm, greedy_prompts, greedy_refere
     llm.generate(prompts, greedy_params(), use_tqdm=False)  # fills the prefix cache
     runner = llm.engine.runner
 
-    def failing_execute(plan):  # as a device error after the cache was donated
+    def failing_execute(plan, *masks):  # as a device error after the cache was donated
         jax.tree.map(lambda leaf: leaf.delete(), runner.kv_cache)
         raise RuntimeError("device failure")
 

@@ -19,6 +19,7 @@ from jaxllm.model.logits_processors import (
     EDIT_CHUNK,
     LogitsProcessors,
     ProcessorState,
+    apply_bitmask,
     count_tokens,
     edit_bias,
     process,
@@ -327,3 +328,18 @@ def test_a_banned_token_stays_banned_under_a_penalty_that_rounds_to_zero():
     assert np.isneginf(processed[0, [1, 3]]).all()
     assert not np.isnan(processed).any()
     assert int(np.argmax(processed)) in (0, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(vocab=st.integers(1, 200), rows=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_bitmask_keeps_exactly_the_set_bits(vocab, rows, seed):
+    """Token t of a row is kept where bit t % 32 of word t // 32 is set (llguidance's layout,
+    sign bit included), else -inf."""
+    rng = np.random.default_rng(seed)
+    words = -(-vocab // 32)
+    bitmask = rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64).astype(np.int32)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    expected = np.where(bits == 1, logits, -np.inf)
+    masked = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(bitmask)))
+    np.testing.assert_array_equal(masked, expected)

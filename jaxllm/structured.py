@@ -1,0 +1,150 @@
+"""Structured outputs on the host: grammars compiled by llguidance, a matcher per sequence, and
+each step's token masks.
+
+A request's `StructuredOutputsParams` is checked when it is submitted (`Grammars.compile`: an
+invalid schema, regex or grammar is a ValueError then), and compiled in a background thread,
+once per distinct spec; a sequence whose grammar is still compiling waits in the queue while
+the others run (`SequenceGrammar.ready`). The scheduler feeds each sampled token to its
+sequence's matcher and stops the sequence when the grammar admits nothing more. For a step
+with constrained rows, the engine fills their masks (`Grammars.bitmask`, in parallel across
+rows) while the device runs the step's forward pass, after the previous step's tokens are
+applied; the device applies them to the logits (`model.logits_processors.apply_bitmask`).
+
+llguidance is an optional dependency (`pip install 'jaxllm[structured]'`), imported on first use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+
+import numpy as np
+
+from jaxllm.sampling_params import StructuredOutputsParams
+
+EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured]'"
+
+
+class SequenceGrammar:
+    """One sequence's matcher: a copy of its grammar's compiled one, taken once compiled."""
+
+    __slots__ = ("_compiled", "_matcher")
+
+    def __init__(self, compiled: concurrent.futures.Future) -> None:
+        self._compiled = compiled
+        self._matcher = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the grammar is compiled (the sequence can be scheduled)."""
+        if self._matcher is None and self._compiled.done():
+            self._matcher = self._compiled.result().deep_copy()
+        return self._matcher is not None
+
+    @property
+    def matcher(self):
+        return self._matcher
+
+    def accept(self, token: int) -> None:
+        """Advances the matcher past a sampled token (mutates it). A token the mask did not
+        allow leaves it in an error state, which `is_terminated` reports."""
+        self._matcher.consume_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar admits no more tokens (it consumed eos, or nothing can follow)."""
+        return self._matcher.is_stopped() or self._matcher.is_error()
+
+
+class Grammars:
+    """Compiles grammars and fills token masks for one engine (llguidance, set up on first use).
+
+    Args:
+        tokenizer: the engine's Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary (the masks' width, padded to 32 tokens a word).
+        eos_token_ids: the tokens a finished grammar allows, the first its end of text.
+
+    Mutates: `compile` caches each distinct spec's compiled grammar.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = list(eos_token_ids)
+        self._llguidance = None
+        self._lltokenizer = None
+        self._executor = None  # fills the rows of a mask in parallel
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-grammar")
+        self._compiled: dict[tuple[str, str, bool], concurrent.futures.Future] = {}
+
+    def _library(self):
+        """llguidance, with the engine's tokenizer and mask executor built on first use.
+
+        Raises:
+            ImportError: llguidance is not installed, naming the extra that brings it.
+        """
+        if self._llguidance is None:
+            try:
+                llguidance = importlib.import_module("llguidance")
+                hf = importlib.import_module("llguidance.hf")
+            except ImportError as error:
+                raise ImportError(EXTRA_HINT) from error
+            if len(self._tokenizer) > self.vocab_size:
+                raise ValueError(
+                    f"structured outputs need the model's vocabulary ({self.vocab_size}) to hold "
+                    f"the tokenizer's ({len(self._tokenizer)} tokens)"
+                )
+            self._lltokenizer = hf.from_tokenizer(
+                self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+            )
+            self._executor = llguidance.LLExecutor()
+            self._llguidance = llguidance
+        return self._llguidance
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled grammar of `params` (a future: compiled in the background, once per
+        distinct spec); the spec is checked first.
+
+        Raises:
+            ValueError: an invalid schema, regex or grammar, naming the field and the reason.
+            ImportError: llguidance is not installed.
+        """
+        llguidance = self._library()
+        kind, text = params.spec
+        key = (kind, text, params.disable_any_whitespace)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            field = "json_object" if params.json_object else kind
+            try:
+                if kind == "json":
+                    options = {"whitespace_flexible": not params.disable_any_whitespace}
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
+                else:
+                    grammar = llguidance.grammar_from(kind, text)
+                error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
+            except ValueError as raised:
+                error = str(raised)
+            if error:
+                raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
+            compiled = self._compiler.submit(
+                llguidance.LLMatcher, self._lltokenizer, grammar, log_level=0
+            )
+            self._compiled[key] = compiled
+        return compiled
+
+    def wait(self) -> None:
+        """Blocks until one more grammar is compiled (none: returns at once)."""
+        compiling = [compiled for compiled in self._compiled.values() if not compiled.done()]
+        concurrent.futures.wait(compiling, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def bitmask(self, rows: list[tuple[int, SequenceGrammar]], num_rows: int) -> np.ndarray:
+        """[num_rows, ceil(V / 32)] int32: bit t % 32 of word t // 32 of a row set where the
+        row's grammar allows token t; every bit set in the rows not in `rows` ((row, grammar)
+        pairs), which are filled in parallel."""
+        words = -(-self.vocab_size // 32)
+        mask = np.full((num_rows, words), -1, np.int32)
+        if rows:
+            llguidance_numpy = importlib.import_module("llguidance.numpy")
+            matchers = [(grammar.matcher, row) for row, grammar in rows]
+            llguidance_numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+        return mask

@@ -1,0 +1,121 @@
+"""llguidance against xgrammar, the two grammar libraries an engine can take its token masks from,
+on the work a step of the benchmark gives them: the tokenizer set up once, the bench's JSON
+schema compiled, then each step a mask for every constrained row (filled in parallel) and the
+sampled token fed to each row's matcher. Tokens are drawn uniformly from each row's mask, as
+random weights would. One JSON record; a library that is not installed is reported as such.
+
+    python scripts/grammar_backends.py [--rows 256] [--steps 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.research.bench import BENCH_SCHEMA
+from jaxllm.tokenizer import qwen3_tokenizer
+
+VOCAB_SIZE = 151_936  # Qwen3's embedding rows (the tokenizer has 151,669 tokens)
+EOS = 151_645
+
+
+def allowed_tokens(bitmask: np.ndarray) -> list[np.ndarray]:
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB_SIZE]
+    return [np.flatnonzero(row) for row in bits]
+
+
+def run_llguidance(tokenizer, rows: int, steps: int, rng) -> dict:
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    start = time.perf_counter()
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB_SIZE, eos_token=EOS)
+    setup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
+    compiled = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    compile_s = time.perf_counter() - start
+    matchers = [compiled.deep_copy() for _ in range(rows)]
+    executor = llguidance.LLExecutor()
+    bitmask = llguidance.numpy.allocate_token_bitmask(rows, VOCAB_SIZE)
+    fill, accept = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        pairs = [(matcher, index) for index, matcher in enumerate(matchers)]
+        llguidance.numpy.fill_next_token_bitmask_par(executor, pairs, bitmask)
+        fill.append(time.perf_counter() - start)
+        tokens = [int(rng.choice(allowed)) for allowed in allowed_tokens(bitmask)]
+        start = time.perf_counter()
+        for matcher, token in zip(matchers, tokens, strict=True):
+            matcher.consume_token(token)
+        accept.append(time.perf_counter() - start)
+    errors = sum(matcher.is_error() for matcher in matchers)
+    return summary(setup_s, compile_s, fill, accept, errors)
+
+
+def run_xgrammar(tokenizer, rows: int, steps: int, rng) -> dict:
+    import xgrammar
+
+    start = time.perf_counter()
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=VOCAB_SIZE, stop_token_ids=[EOS]
+    )
+    compiler = xgrammar.GrammarCompiler(info)
+    setup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(BENCH_SCHEMA))
+    compile_s = time.perf_counter() - start
+    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(rows)]
+    batch = xgrammar.BatchGrammarMatcher()
+    bitmask = np.full((rows, -(-VOCAB_SIZE // 32)), -1, np.int32)
+    fill, accept = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        fill.append(time.perf_counter() - start)
+        tokens = [int(rng.choice(allowed)) for allowed in allowed_tokens(bitmask)]
+        start = time.perf_counter()
+        xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        accept.append(time.perf_counter() - start)
+    errors = sum(matcher.is_terminated() for matcher in matchers)
+    return summary(setup_s, compile_s, fill, accept, errors)
+
+
+def summary(setup_s, compile_s, fill, accept, errors) -> dict:
+    ms = lambda seconds, q: 1e3 * float(np.percentile(seconds, q))
+    return {
+        "tokenizer_setup_s": setup_s,
+        "schema_compile_ms": 1e3 * compile_s,
+        "fill_ms_p50": ms(fill, 50),
+        "fill_ms_p99": ms(fill, 99),
+        "accept_ms_p50": ms(accept, 50),
+        "rows_in_error_or_terminated": int(errors),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    tokenizer = qwen3_tokenizer()
+    record = {"rows": args.rows, "steps": args.steps}
+    for name, run in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+        try:
+            record[name] = run(tokenizer, args.rows, args.steps, np.random.default_rng(0))
+        except ImportError as error:
+            record[name] = f"not installed: {error}"
+    print(json.dumps(record, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""Structured outputs (`StructuredOutputsParams`): on random weights only the constraint makes
+an output valid, so every output at temperature 1 over many seeds must satisfy it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxllm import SamplingParams, StructuredOutputsParams
+from jaxllm.structured import EXTRA_HINT
+
+pytest.importorskip("llguidance")
+
+NUM_SEEDS = 16
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def sample_all(llm, constraint: StructuredOutputsParams, max_tokens: int = 64, **settings):
+    """One constrained completion per seed, all in one batch."""
+    params = [
+        SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, seed=seed, structured_outputs=constraint,
+            **settings,
+        )
+        for seed in range(NUM_SEEDS)
+    ]  # fmt: skip
+    outputs = llm.generate(["Answer:"] * NUM_SEEDS, params, use_tqdm=False)
+    return [output.outputs[0] for output in outputs]
+
+
+def test_json_schema_outputs_validate(text_llm):
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    completions = sample_all(text_llm, constraint)
+    for completion in completions:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    assert len({c.text for c in completions}) > NUM_SEEDS // 2  # sampled, not forced
+
+
+def test_json_schema_with_whitespace_is_a_valid_prefix_or_whole(text_llm):
+    """Any whitespace allowed: random weights may spend the whole budget on it; what stopped
+    validates."""
+    completions = sample_all(text_llm, StructuredOutputsParams(json=json.dumps(SCHEMA)))
+    for completion in completions:
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+        else:
+            assert completion.finish_reason == "length"
+            assert completion.text.lstrip()[:1] in ("", "{")
+
+
+def test_regex_outputs_match(text_llm):
+    pattern = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    for completion in sample_all(text_llm, StructuredOutputsParams(regex=pattern)):
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(pattern, completion.text)
+
+
+def test_choice_outputs_are_choices(text_llm):
+    choices = ["yes", "no", "maybe not", "🙂"]
+    completions = sample_all(text_llm, StructuredOutputsParams(choice=choices))
+    assert all(c.finish_reason == "stop" and c.text in choices for c in completions)
+    assert len({c.text for c in completions}) > 1
+
+
+def test_grammar_outputs_parse(text_llm):
+    grammar = 'start: "maybe " NUMBER | "yes" | "no"\nNUMBER: /[1-9][0-9]?/'
+    for completion in sample_all(text_llm, StructuredOutputsParams(grammar=grammar)):
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(r"maybe [1-9][0-9]?|yes|no", completion.text)
+
+
+def test_json_object_outputs_are_objects(text_llm):
+    constraint = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    completions = sample_all(text_llm, constraint, max_tokens=96)
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped
+    assert all(isinstance(json.loads(c.text), dict) for c in stopped)
+
+
+def test_a_free_request_beside_constrained_ones_samples_as_alone(text_llm):
+    free = SamplingParams(temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+    (alone,) = text_llm.generate(["Once upon a time"], free, use_tqdm=False)
+    choice = StructuredOutputsParams(choice=["left", "right"])
+    constrained = SamplingParams(temperature=1.0, max_tokens=8, seed=1, structured_outputs=choice)
+    outputs = text_llm.generate(
+        ["Go", "Once upon a time", "Turn"], [constrained, free, constrained], use_tqdm=False
+    )
+    assert outputs[1].token_ids == alone.token_ids
+    assert outputs[0].text in ("left", "right") and outputs[2].text in ("left", "right")
+
+
+def test_constrained_completions_survive_preemption():
+    """A cache of few blocks preempts running sequences; each matcher keeps its state while its
+    sequence is recomputed."""
+    llm = make_text_llm(num_kvcache_blocks=6, max_model_len=96)
+    pattern = r"(ab|cd){10,40}"
+    params = [
+        SamplingParams(
+            temperature=1.0, max_tokens=40, seed=seed, n=2,
+            structured_outputs=StructuredOutputsParams(regex=pattern),
+        )
+        for seed in range(4)
+    ]  # fmt: skip
+    outputs = llm.generate([[7] * 40] * 4, params, use_tqdm=False)  # 3 blocks each
+    assert llm.engine.scheduler.num_preemptions > 0
+    for output in outputs:
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop"
+            assert re.fullmatch(pattern, completion.text)
+
+
+def make_text_llm(**settings):
+    from jaxllm import LLM
+
+    return LLM(
+        "random:qwen3-tiny", max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=16,
+        compile_at_startup=False, **settings,
+    )  # fmt: skip
+
+
+def test_each_spec_compiles_once(text_llm):
+    grammars = text_llm.engine.grammars
+    constraint = StructuredOutputsParams(regex="[a-c]{5}")
+    first = grammars.compile(constraint)
+    assert grammars.compile(StructuredOutputsParams(regex="[a-c]{5}")) is first
+    assert grammars.compile(StructuredOutputsParams(regex="[a-c]{6}")) is not first
+
+
+def test_a_grammar_still_compiling_holds_back_no_one(text_llm, monkeypatch):
+    engine = text_llm.engine
+    grammars = engine.grammars
+    held: concurrent.futures.Future = concurrent.futures.Future()
+    real = grammars._compiler.submit
+    monkeypatch.setattr(grammars._compiler, "submit", lambda *args, **kwargs: held)
+    constraint = StructuredOutputsParams(regex="(held){2}")
+    slow = SamplingParams(temperature=1.0, max_tokens=8, seed=0, structured_outputs=constraint)
+    free = SamplingParams(temperature=1.0, max_tokens=6, seed=0, ignore_eos=True)
+    waiting = engine.new_request([100, 101, 102], slow)
+    engine.add(waiting)
+    runs = engine.new_request([100, 101, 102], free)
+    engine.add(runs)
+    finished = []
+    while not finished:
+        finished += engine.step()
+    assert [output.request_id for output in finished] == [runs.request_id]
+    assert engine.scheduler.waiting[0].seq_id == waiting.request_id  # never admitted
+    held.set_result(real(*held_args(grammars, constraint)).result())
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished[-1].request_id == waiting.request_id
+    assert finished[-1].outputs[0].text == "heldheld"
+
+
+def held_args(grammars, constraint):
+    import llguidance
+
+    kind, text = constraint.spec
+    return llguidance.LLMatcher, grammars._lltokenizer, llguidance.grammar_from(kind, text)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(json={"type": "foo"}), r"(?s)StructuredOutputsParams.json is invalid: .*foo"),
+        (dict(regex="(ab"), r"(?s)StructuredOutputsParams.regex is invalid: .*unclosed group"),
+        (
+            dict(grammar="start: missing"),
+            r"(?s)StructuredOutputsParams.grammar is invalid: .*missing",
+        ),
+    ],
+)
+def test_invalid_specs_are_refused_before_any_work(text_llm, settings, message):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**settings))
+    steps_before = text_llm.engine.stats.decode.steps + text_llm.engine.stats.prefill.steps
+    with pytest.raises(ValueError, match=message):
+        text_llm.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), params])
+    stats = text_llm.engine.stats
+    assert stats.decode.steps + stats.prefill.steps == steps_before
+    assert text_llm.generate("still works", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(), "exactly one of .* got none"),
+        (dict(regex="a", choice=["a"]), "exactly one of .* got regex, choice"),
+        (dict(choice=[]), r"choice must be a non-empty list of strings, got \[\]"),
+        (dict(choice=["a", 1]), "choice must be a non-empty list of strings"),
+        (dict(json="{not json"), "json is not valid JSON"),
+        (dict(json=3), "json must be a dict or its JSON text"),
+        (dict(json_object="yes"), "json_object must be True or False"),
+    ],
+)
+def test_malformed_params_name_the_field(settings, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**settings)
+
+
+def test_missing_extra_names_it(text_llm, monkeypatch):
+    grammars = text_llm.engine.grammars
+    monkeypatch.setattr(grammars, "_llguidance", None)
+    real_import = importlib.import_module
+
+    def without_llguidance(name, *args):
+        if name.startswith("llguidance"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_llguidance)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    with pytest.raises(ImportError, match=re.escape(EXTRA_HINT)):
+        text_llm.generate("x", params, use_tqdm=False)
+    monkeypatch.undo()
+    assert text_llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)
