@@ -181,11 +181,11 @@ class Engine:
         self.scheduler.reset()
         self.runner.reset()
 
-    def update_params(self, params) -> None:
+    def update_params(self, params, donate: bool = False) -> None:
         """New weights (`ModelRunner.update_params`); the prefix cache, which holds the old
         weights' KV, is emptied."""
         self._require_idle("update_params")
-        self.runner.update_params(params)
+        self.runner.update_params(params, donate)
         self.scheduler.reset()
 
     def sleep(self, level: int = 1) -> None:

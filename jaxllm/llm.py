@@ -124,17 +124,17 @@ class LLM:
         """The weights run (jax arrays; q/k/v, gate/up fused); None after sleep(level=2)."""
         return self.engine.runner.params
 
-    def update_params(self, params: Any) -> None:
-        """Runs with new weights from now on (a trainer's, say), compiling nothing: a tree like
-        `params`, of the same shapes and dtypes. Arrays placed as the current ones are used as
-        they are (not copied); others are copied to their devices. Empties the prefix cache.
+    def update_params(self, params: Any, donate: bool = False) -> None:
+        """Runs with new weights (a trainer's, say), compiling nothing: a tree like `params` (or
+        Hugging Face names). Arrays placed as the current ones are used as they are, others copied
+        to their devices (`donate`: buffers given up to the copies). Empties the prefix cache.
 
         Raises:
             ValueError: another tree structure, shape or dtype, naming the first difference.
             RuntimeError: requests are running (a stream not yet exhausted).
         """
         with self._lock:
-            self.engine.update_params(params)
+            self.engine.update_params(params, donate)
 
     def sleep(self, level: int = 1) -> None:
         """Frees the KV cache (level 1), and the weights (2); `wake_up` compiles nothing."""

@@ -173,12 +173,12 @@ class ModelRunner:
         self.processors.reset()
         self.kv_cache = self._allocate_kv_cache()
 
-    def update_params(self, params: Params) -> None:
+    def update_params(self, params: Params, donate: bool = False) -> None:
         """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of
         Hugging Face names is laid out as the engine's first."""
         if is_hf_named(params):
             params = from_hf_names(params, self.config, self._param_shapes)
-        self.params = placed_like(params, self.params or self._param_shapes)
+        self.params = placed_like(params, self.params or self._param_shapes, donate)
 
     def sleep(self, weights: bool = False) -> None:
         """Frees the KV cache (and drops the weights, with `weights`); `wake_up` allocates it

@@ -63,10 +63,11 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
     return tree
 
 
-def placed_like(new: Params, current: Params) -> Params:
+def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
     """`new` with the tree structure, shapes, dtypes and shardings of `current`: leaves already
     placed as the current ones are used as they are, others are copied to their sharding (on
-    the device, for arrays already on the mesh's devices).
+    the device, for arrays already on the mesh's devices; `donate`: a device array's buffer
+    given up to its copy, where jax can reuse it).
 
     Raises:
         ValueError: another tree structure, or a leaf of another shape or dtype, naming the
@@ -94,5 +95,6 @@ def placed_like(new: Params, current: Params) -> Params:
         if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(like.sharding, leaf.ndim):
             leaves.append(leaf)
         else:
-            leaves.append(jax.device_put(leaf, like.sharding))
+            donated = donate and isinstance(leaf, jax.Array)
+            leaves.append(jax.device_put(leaf, like.sharding, donate=donated))
     return jax.tree.unflatten(current_structure, leaves)

@@ -148,3 +148,21 @@ def test_update_params_takes_hugging_face_names(fresh_llm, other_checkpoint, gre
     del named["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.up_proj\.weight"):
         fresh_llm.update_params(named)
+
+
+def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_llm, monkeypatch):
+    """`donate=True` hands each array that needs placing to `jax.device_put(..., donate=True)`
+    (a CPU may keep the buffer; a GPU reuses it), and the outputs are the new weights'."""
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(
+        jax, "device_put", lambda x, *a, **k: calls.append(k.get("donate")) or real(x, *a, **k)
+    )
+    elsewhere = jax.devices()[-1]  # not the engine's device: placing copies
+    moved = jax.tree.map(lambda x: jax.device_put(np.asarray(x), elsewhere), other_llm.params)
+    calls.clear()
+    fresh_llm.update_params(moved, donate=True)
+    assert calls and all(calls)
+    prompt, params = [[5, 6, 7]], greedy_params()
+    expected = other_llm.generate(prompt, params, use_tqdm=False)[0].token_ids
+    assert fresh_llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected
