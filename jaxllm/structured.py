@@ -142,7 +142,10 @@ class Grammars:
         row's grammar allows token t; every bit set in the rows not in `rows` ((row, grammar)
         pairs), which are filled in parallel."""
         words = -(-self.vocab_size // 32)
-        mask = np.full((num_rows, words), -1, np.int32)
+        mask = np.empty((num_rows, words), np.int32)  # NOTE: llguidance writes whole rows
+        free = np.ones(num_rows, bool)
+        free[[row for row, _ in rows]] = False
+        mask[free] = -1
         if rows:
             llguidance_numpy = importlib.import_module("llguidance.numpy")
             matchers = [(grammar.matcher, row) for row, grammar in rows]
