@@ -7,26 +7,42 @@ Requests run with ignore_eos, so each makes exactly its max_tokens. The sampled 
 synthetic: always `SYNTHETIC_TOKEN`, so, as under greedy decoding, identical prompts produce
 identical outputs (and share their output blocks) and different prompts never do.
 
+A simulated clock (a fixed `step_time`, or a `cost_model.StepCostModel` pricing each step's
+work) gives times to first token and queueing delays in seconds.
+
 Pure Python + numpy: no jax import. A run costs a few microseconds per
 running sequence per step, plus the hashing of each prompt's blocks.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxllm.cache.eviction import POLICIES, EvictionPolicy
+from jaxllm.research.cost_model import StepCostModel
+from jaxllm.research.sim_report import format_table, plot, write_csv, write_json
 from jaxllm.research.workloads import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
+
+__all__ = [
+    "POLICY_NAMES",
+    "SimResult",
+    "blocks_for_all",
+    "default_cache_sizes",
+    "format_table",
+    "make_config",
+    "plot",
+    "simulate",
+    "sweep",
+    "write_csv",
+    "write_json",
+]
 
 SYNTHETIC_TOKEN = 0
 POLICY_NAMES = tuple(POLICIES)
@@ -52,12 +68,19 @@ class SimResult:
         num_evictions: cached blocks evicted.
         num_preemptions: running sequences preempted for lack of blocks.
         num_prefill_steps, num_decode_steps: steps of each kind.
-        mean_ttft_steps: mean steps from a request's arrival (its first step at or after
-            arrival) to the step that sampled its first token, that step included.
-        simulated_seconds: the simulated clock at the end (steps times `step_time`, plus idle
-            time waiting for arrivals); 0 without a step time.
+        mean_ttft_steps: mean steps from a request's arrival (the first step planned at or
+            after it) to the step that sampled its first token, that step included.
+        simulated_seconds: the simulated clock at the end: every step's seconds (`step_time`
+            or the cost model's), plus idle time waiting for arrivals; 0 without either.
+        mean_ttft_seconds, p50_ttft_seconds, p99_ttft_seconds: time to first token, from the
+            request's arrival to the end of the step that sampled its first token.
+        mean_queueing_seconds, p50_queueing_seconds, p99_queueing_seconds: from the request's
+            arrival to the start of the first step that scheduled it.
+        output_tokens_per_second: output tokens over `simulated_seconds`; 0 without a clock.
         wall_seconds: how long the simulation took on this machine.
         hit_rate: hit tokens over queried tokens (the pool's own `CacheStats.hit_rate`).
+        ttft_seconds, queueing_seconds: [num_requests] each request's, in the workload's order
+            (not in `as_dict`; `sim_report.write_json(..., per_request=True)` writes them).
     """
 
     policy: str
@@ -77,8 +100,17 @@ class SimResult:
     num_decode_steps: int
     mean_ttft_steps: float
     simulated_seconds: float
+    mean_ttft_seconds: float
+    p50_ttft_seconds: float
+    p99_ttft_seconds: float
+    mean_queueing_seconds: float
+    p50_queueing_seconds: float
+    p99_queueing_seconds: float
+    output_tokens_per_second: float
     wall_seconds: float
     hit_rate: float
+    ttft_seconds: np.ndarray = field(repr=False, compare=False)
+    queueing_seconds: np.ndarray = field(repr=False, compare=False)
 
     @property
     def prompt_hit_rate(self) -> float:
@@ -88,7 +120,13 @@ class SimResult:
         )
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"prompt_hit_rate": self.prompt_hit_rate}
+        """The scalars (per-request arrays left out), and `prompt_hit_rate`."""
+        scalars = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("ttft_seconds", "queueing_seconds")
+        }
+        return scalars | {"prompt_hit_rate": self.prompt_hit_rate}
 
 
 def blocks_for_all(requests: Iterable[Request], block_size: int) -> int:
@@ -146,52 +184,70 @@ def simulate(
     *,
     arrival: str = "order",
     step_time: float = 0.0,
+    cost_model: StepCostModel | None = None,
     check_integrity: bool = False,
 ) -> SimResult:
     """Replays `requests` through a fresh `Scheduler(config, eviction_policy=policy)`.
 
+    The clock follows the engine, which plans step N + 1 while the device runs step N: a plan
+    is made when the step in flight starts (at once when none is), and each step starts when
+    the one before it ends.
+
     Args:
         arrival: "order": every request is added before the first step, in list order (what
-            `LLM.generate` does); "time": each is added before the first step that starts at or
-            after its `arrival_time` (None counts as 0), with each step lasting `step_time`
-            seconds and the clock jumping ahead when nothing is left to run.
-        step_time: seconds per step (prefill or decode) in the simulated clock.
+            `LLM.generate` does); "time": each is added before the first plan made at or after
+            its `arrival_time` (None counts as 0), the clock jumping ahead when nothing is left
+            to run.
+        step_time: seconds per step (prefill or decode), when there is no cost model.
+        cost_model: the seconds of each step from the work of its plan
+            (`StepCostModel.plan_seconds`).
         check_integrity: check the scheduler's and the pool's invariants after every step
             (slow; for tests).
 
     Raises:
-        ValueError: a request the scheduler refuses (too long for max_model_len or the cache).
+        ValueError: a request the scheduler refuses (too long for max_model_len or the cache),
+            or both a step time and a cost model.
     """
     if arrival not in ("order", "time"):
         raise ValueError(f"arrival must be 'order' or 'time', got {arrival!r}")
+    if cost_model is not None and step_time:
+        raise ValueError("give a step_time or a cost_model, not both")
     start_wall = time.perf_counter()
     scheduler = Scheduler(config, eviction_policy=policy)
     params_of: dict[int, SamplingParams] = {}
     arrivals = [0.0 if arrival == "order" else (r.arrival_time or 0.0) for r in requests]
     order = sorted(range(len(requests)), key=arrivals.__getitem__)
-    tokens = np.full(max(config.max_num_seqs, 1), SYNTHETIC_TOKEN, dtype=np.int32)
+    # [K, S]: a token for each row at each step of a plan of K decode steps (one step: row 0).
+    shape = (config.num_scheduler_steps, max(config.max_num_seqs, 1))
+    tokens = np.full(shape, SYNTHETIC_TOKEN, dtype=np.int32)
     seqs = []
     # NOTE: an offline policy (`belady.BeladyPolicy`) learns the run it replays.
     bind_run = getattr(scheduler.block_pool.policy, "bind_run", None)
     if bind_run is not None:
         bind_run(scheduler.block_pool, seqs)
-    arrival_step: dict[int, int] = {}  # seq_id -> the first step it could run in
+    index_of: dict[int, int] = {}  # seq_id -> the request's index in `requests`
+    arrival_step = [0] * len(requests)  # the steps planned before the request was added
+    scheduled_at: list[float | None] = [None] * len(requests)  # start of its first step
+    first_token_at: list[float | None] = [None] * len(requests)  # end of its first token's step
     ttft_steps_total = 0
     num_prefill_tokens = num_prefill_steps = num_decode_steps = 0
-    clock = 0.0
+    clock = 0.0  # when the steps planned so far end
+    in_flight_start = 0.0  # when the step in flight started
     step = 0
     next_index = 0
     in_flight = None
     while next_index < len(order) or scheduler.has_unfinished() or in_flight is not None:
+        now = clock if in_flight is None else in_flight_start  # when this plan is made
         if (
             next_index < len(order)
             and not scheduler.has_unfinished()
             and in_flight is None
             and arrivals[order[next_index]] > clock
         ):
-            clock = arrivals[order[next_index]]
-        while next_index < len(order) and arrivals[order[next_index]] <= clock:
-            request = requests[order[next_index]]
+            clock = now = arrivals[order[next_index]]
+        while next_index < len(order) and arrivals[order[next_index]] <= now:
+            index = order[next_index]
+            request = requests[index]
             params = params_of.get(request.max_tokens)
             if params is None:
                 params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
@@ -199,28 +255,39 @@ def simulate(
             seq = scheduler.new_sequence(request.prompt_token_ids, params)
             scheduler.add(seq)
             seqs.append(seq)
-            arrival_step[seq.seq_id] = step
+            index_of[seq.seq_id] = index
+            arrival_step[index] = step
             next_index += 1
         plan = scheduler.schedule()
+        from_idle = in_flight is None
         if in_flight is not None:
             scheduler.update(in_flight, tokens)
         in_flight = plan
         if plan is None:
             continue
         step += 1
-        clock += step_time
+        in_flight_start = clock
+        clock += step_time if cost_model is None else cost_model.plan_seconds(plan, from_idle)
         if plan.is_prefill:
             num_prefill_steps += 1
             num_prefill_tokens += plan.num_tokens
             for seq, samples in zip(plan.seqs, plan.samples, strict=True):
-                if samples and seq.seq_id in arrival_step:
-                    ttft_steps_total += step - arrival_step.pop(seq.seq_id)
+                index = index_of[seq.seq_id]
+                if scheduled_at[index] is None:
+                    scheduled_at[index] = in_flight_start
+                if samples and first_token_at[index] is None:
+                    first_token_at[index] = clock
+                    ttft_steps_total += step - arrival_step[index]
         else:
             num_decode_steps += 1
         if check_integrity:
             scheduler.check_integrity()
     stats = scheduler.stats()
     name = policy if isinstance(policy, str) else (policy.name or type(policy).__name__)
+    arrived = np.array(arrivals, dtype=np.float64)
+    ttft = np.array(first_token_at, dtype=np.float64) - arrived
+    queueing = np.array(scheduled_at, dtype=np.float64) - arrived
+    num_output_tokens = sum(r.max_tokens for r in requests)
     return SimResult(
         policy=name.lower(),
         num_blocks=config.num_blocks,
@@ -228,7 +295,7 @@ def simulate(
         enable_prefix_caching=config.enable_prefix_caching,
         num_requests=len(requests),
         num_prompt_tokens=sum(r.num_prompt_tokens for r in requests),
-        num_output_tokens=sum(r.max_tokens for r in requests),
+        num_output_tokens=num_output_tokens,
         num_queried_tokens=stats.num_queried_tokens,
         num_hit_tokens=stats.num_hit_tokens,
         num_prompt_hit_tokens=sum(seq.num_cached_tokens or 0 for seq in seqs),
@@ -239,9 +306,26 @@ def simulate(
         num_decode_steps=num_decode_steps,
         mean_ttft_steps=ttft_steps_total / len(requests) if requests else 0.0,
         simulated_seconds=clock,
+        **_summary("ttft", ttft),
+        **_summary("queueing", queueing),
+        output_tokens_per_second=num_output_tokens / clock if clock else 0.0,
         wall_seconds=time.perf_counter() - start_wall,
         hit_rate=stats.hit_rate,
+        ttft_seconds=ttft,
+        queueing_seconds=queueing,
     )
+
+
+def _summary(name: str, seconds: np.ndarray) -> dict[str, float]:
+    """{mean_NAME_seconds, p50_..., p99_...} of some per-request seconds (0 for none)."""
+    if not len(seconds):
+        return {f"{stat}_{name}_seconds": 0.0 for stat in ("mean", "p50", "p99")}
+    p50, p99 = np.percentile(seconds, [50, 99]).tolist()
+    return {
+        f"mean_{name}_seconds": float(seconds.mean()),
+        f"p50_{name}_seconds": p50,
+        f"p99_{name}_seconds": p99,
+    }
 
 
 def sweep(
@@ -268,74 +352,3 @@ def sweep(
         for size in sizes
         for policy in policies
     ]
-
-
-# Reports.
-
-
-def write_csv(results: Sequence[SimResult], path: str | Path) -> None:
-    rows = [result.as_dict() for result in results]
-    with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def write_json(results: Sequence[SimResult], path: str | Path, **metadata) -> None:
-    record = metadata | {"results": [result.as_dict() for result in results]}
-    Path(path).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def format_table(results: Sequence[SimResult]) -> str:
-    """A fixed-width text table, one row per run."""
-    header = (
-        f"{'policy':6} {'blocks':>7} {'hit rate':>8} {'prompt':>6} {'hit tokens':>11} "
-        f"{'evictions':>9} {'preempt':>7} {'steps':>6} {'ttft steps':>10} {'wall s':>6}"
-    )
-    lines = [header]
-    for r in results:
-        lines.append(
-            f"{r.policy:6} {r.num_blocks:7d} {r.hit_rate:8.3f} {r.prompt_hit_rate:6.3f} "
-            f"{r.num_hit_tokens:11d} {r.num_evictions:9d} {r.num_preemptions:7d} "
-            f"{r.num_prefill_steps + r.num_decode_steps:6d} {r.mean_ttft_steps:10.1f} "
-            f"{r.wall_seconds:6.2f}"
-        )
-    return "\n".join(lines)
-
-
-def plot(
-    results: Sequence[SimResult],
-    path: str | Path,
-    title: str = "",
-    metric: str = "prompt_hit_rate",
-) -> None:
-    """Hit rate against cache size, one line per policy, written as a PNG (needs matplotlib:
-    `pip install -e .[plots]`).
-
-    Args:
-        metric: "prompt_hit_rate" (new prompts only) or "hit_rate" (every admission).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.6), dpi=100)
-    for policy in dict.fromkeys(r.policy for r in results):
-        points = sorted((r.num_blocks, getattr(r, metric)) for r in results if r.policy == policy)
-        axes.plot(*zip(*points, strict=True), marker="o", label=policy.upper())
-    block_size = results[0].block_size
-    axes.set_xscale("log", base=2)
-    sizes = sorted({r.num_blocks for r in results})
-    axes.set_xticks(sizes, [str(size) for size in sizes])
-    axes.minorticks_off()
-    axes.set_xlabel(f"KV cache size (blocks of {block_size} tokens)")
-    axes.set_ylabel({"hit_rate": "token hit rate"}.get(metric, "prompt token hit rate"))
-    axes.set_ylim(0, 1)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    if title:
-        axes.set_title(title, fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)

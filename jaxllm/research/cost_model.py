@@ -1,0 +1,196 @@
+"""How long one engine step takes, as a linear function of the work its plan does (no jax).
+
+The simulator (`cache_sim.simulate(..., cost_model=...)`) advances its clock by
+`StepCostModel.step_seconds(step_work(plan, from_idle))` for every plan the scheduler makes;
+`scripts/calibrate_step_cost.py` fits the coefficients to steps timed on the engine.
+
+The work of a step (`StepWork`), and the coefficient that prices a unit of it:
+
+- `num_forward_steps`: forward passes, 1 or K for a plan of K decode steps: `overhead_seconds`;
+- `from_idle`: 1 when no step was in flight as the plan was made: `idle_start_seconds`;
+- `num_prefill_tokens`: prefill tokens the device computes (the plan's bucket, padding
+  included): `prefill_token_seconds`;
+- `num_prefill_pairs`: (query, key) pairs of prefill attention: `prefill_pair_seconds`;
+- `num_decode_rows`: decode rows the device computes (the bucket, padding included), summed
+  over the plan's steps: `decode_row_seconds`;
+- `num_context_tokens`: context tokens decode attention reads (each row's context length),
+  summed over the plan's steps: `context_token_seconds`.
+
+Prefill attention is compute-bound (each new token attends to every token before it) and
+decode attention bandwidth-bound (each row reads its context's K/V once), so the two have a
+coefficient each. The engine plans step N + 1 while the device runs step N, so a busy engine
+hides its host work; the first step after an idle moment pays it: `idle_start_seconds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxllm.sched import StepPlan
+
+
+class StepWork(NamedTuple):
+    """What one plan makes the device do (see the module's table)."""
+
+    num_forward_steps: int = 1
+    from_idle: int = 0
+    num_prefill_tokens: int = 0
+    num_prefill_pairs: int = 0
+    num_decode_rows: int = 0
+    num_context_tokens: int = 0
+
+
+def attended_pairs(start_positions: list[int], num_new_tokens: list[int]) -> int:
+    """(query, key) pairs when sequence i computes tokens start_i .. start_i + count_i - 1, each
+    attending to itself and every token before it: sum of count * start + count (count + 1) / 2.
+    """
+    return sum(
+        count * start + count * (count + 1) // 2
+        for start, count in zip(start_positions, num_new_tokens, strict=True)
+    )
+
+
+def step_work(plan: StepPlan, from_idle: bool = False) -> StepWork:
+    """The work of a scheduler plan; `from_idle`: no step was in flight when it was made."""
+    bucket = plan.bucket
+    if plan.is_prefill:
+        pairs = attended_pairs(plan.start_positions, plan.num_new_tokens)
+        return StepWork(1, int(from_idle), bucket.num_tokens, pairs, 0, 0)
+    if bucket.num_steps == 1:  # one token per row, at position start: its context is start + 1
+        context = sum(plan.start_positions) + plan.num_seqs
+    else:
+        context = attended_pairs(plan.start_positions, plan.num_new_tokens)
+    steps = bucket.num_steps
+    return StepWork(steps, int(from_idle), 0, 0, bucket.num_tokens * steps, context)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of an engine step: the work of its plan (`StepWork`) priced by these coefficients.
+
+    Attributes:
+        overhead_seconds: per forward pass, whatever its size.
+        idle_start_seconds: extra for a step planned while no step was in flight.
+        prefill_token_seconds: per prefill token computed (padding included).
+        prefill_pair_seconds: per (query, key) pair of prefill attention.
+        decode_row_seconds: per decode row computed (padding included).
+        context_token_seconds: per context token a decode row reads.
+        description: where the numbers come from (the model, the device, the fit).
+    """
+
+    overhead_seconds: float = 0.0
+    idle_start_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
+    prefill_pair_seconds: float = 0.0
+    decode_row_seconds: float = 0.0
+    context_token_seconds: float = 0.0
+    description: str = ""
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        """[6] the coefficients in `StepWork`'s order."""
+        return np.array([getattr(self, name) for name in COEFFICIENTS])
+
+    def step_seconds(self, work: StepWork) -> float:
+        """Seconds of a step doing `work`."""
+        return (
+            self.overhead_seconds * work.num_forward_steps
+            + self.idle_start_seconds * work.from_idle
+            + self.prefill_token_seconds * work.num_prefill_tokens
+            + self.prefill_pair_seconds * work.num_prefill_pairs
+            + self.decode_row_seconds * work.num_decode_rows
+            + self.context_token_seconds * work.num_context_tokens
+        )
+
+    def plan_seconds(self, plan: StepPlan, from_idle: bool = False) -> float:
+        """Seconds of the step that runs `plan`."""
+        return self.step_seconds(step_work(plan, from_idle))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        """Reads what `save` wrote. Raises TypeError on an unknown or missing coefficient."""
+        return cls(**json.loads(Path(path).read_text()))
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[StepWork, float]], description: str = "") -> StepCostModel:
+        """The non-negative coefficients that minimise the squared *relative* error of the
+        predicted seconds over measured (work, seconds) samples.
+
+        Relative, so that the short decode steps weigh as much as the long prefills. A
+        coefficient whose work is zero in every sample comes out 0.
+
+        Raises:
+            ValueError: no sample, or a sample of zero or negative seconds.
+        """
+        samples = list(samples)
+        if not samples:
+            raise ValueError("fit needs at least one (work, seconds) sample")
+        work = np.array([tuple(w) for w, _ in samples], dtype=np.float64)  # [n, 6]
+        seconds = np.array([s for _, s in samples], dtype=np.float64)  # [n]
+        if (seconds <= 0).any():
+            raise ValueError("every sample must take more than 0 seconds")
+        matrix = work / seconds[:, None]  # relative error: row i divided by seconds_i
+        scale = np.abs(matrix).max(axis=0)
+        scale[scale == 0] = 1.0  # an all-zero column keeps coefficient 0
+        solution = nnls(matrix / scale, np.ones(len(samples)))
+        return cls(*(solution / scale).tolist(), description=description)
+
+
+COEFFICIENTS = tuple(f.name for f in dataclasses.fields(StepCostModel))[:6]
+
+
+def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int | None = None) -> np.ndarray:
+    """argmin ||matrix @ x - target|| over x >= 0 (Lawson and Hanson's active-set method).
+
+    Args:
+        matrix: [m, n]; target: [m].
+
+    Returns:
+        [n] the solution.
+    """
+    num_columns = matrix.shape[1]
+    x = np.zeros(num_columns)
+    free = np.zeros(num_columns, dtype=bool)  # the columns allowed above 0 (the passive set)
+    tolerance = 10 * np.finfo(float).eps * np.abs(matrix).sum(axis=0).max() * max(matrix.shape)
+    for _ in range(max_iterations or 3 * num_columns + 10):
+        gradient = matrix.T @ (target - matrix @ x)  # [n]
+        if free.all() or gradient[~free].max() <= tolerance:
+            break
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            candidate = np.zeros(num_columns)
+            candidate[free] = np.linalg.lstsq(matrix[:, free], target, rcond=None)[0]
+            if (candidate[free] > 0).all():
+                x = candidate
+                break
+            # Move from x towards the candidate until a coefficient reaches 0; drop those.
+            blocking = free & (candidate <= 0)
+            step = np.min(x[blocking] / (x[blocking] - candidate[blocking]))
+            x = x + step * (candidate - x)
+            free &= x > tolerance
+            x[~free] = 0.0
+    return x
+
+
+# NOTE: fitted on one H200 (`calibrate_step_cost.py measure --model random:qwen3-0.6b`, the
+# engine's defaults, 562 steps; mean relative error 3% on prefill steps, 10% on decode steps).
+# A placeholder until a replay checks it: the TTFT of a timed trace has not been compared yet.
+H200_QWEN3_0_6B = StepCostModel(
+    overhead_seconds=1.68e-3,
+    idle_start_seconds=2.28e-3,
+    prefill_token_seconds=2.03e-6,
+    prefill_pair_seconds=3.97e-10,
+    decode_row_seconds=1.84e-6,
+    context_token_seconds=2.43e-8,
+    description="placeholder: fitted on one H200 (random:qwen3-0.6b), not checked by a replay",
+)

@@ -1,0 +1,238 @@
+"""Fit the simulator's step cost model to the engine's timed steps, and check it on a timed trace.
+
+    # time a spread of step shapes, fit, write the model
+    python scripts/calibrate_step_cost.py measure --model random:qwen3-0.6b --out step_cost.json
+    # a timed trace through the engine and through the simulator: TTFT of both (fits first
+    # without --cost-model)
+    python scripts/calibrate_step_cost.py replay --model random:qwen3-0.6b \
+        --cost-model step_cost.json --num-requests 2000 --request-rate 40
+    # the simulator alone on a trace (no model, no device)
+    python scripts/calibrate_step_cost.py simulate --trace trace.jsonl --cost-model step_cost.json
+
+Without an accelerator the engine defaults to random:qwen3-tiny with small limits
+(docs/cache-policies.md, "Time that depends on the work").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jaxllm.research import calibrate
+from jaxllm.research.cache_sim import format_table, make_config, simulate
+from jaxllm.research.cost_model import H200_QWEN3_0_6B, StepCostModel
+from jaxllm.research.mooncake import synthetic_trace, write_jsonl
+from jaxllm.research.workloads import MOONCAKE_BLOCK_SIZE, Request, load_trace
+
+# The engine's limits without an accelerator: a small ladder, compiled at start-up so that no
+# timed step compiles.
+CPU_ENGINE_KWARGS = {
+    "max_num_seqs": 8,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 256,
+    "kvcache_block_size": 16,
+    "compile_at_startup": True,
+}
+ENGINE_FLAGS = {
+    "max_num_seqs": "max_num_seqs",
+    "max_model_len": "max_model_len",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "block_size": "kvcache_block_size",
+    "num_kvcache_blocks": "num_kvcache_blocks",
+    "num_scheduler_steps": "num_scheduler_steps",
+    "compile_at_startup": "compile_at_startup",
+    "eviction_policy": "eviction_policy",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine (default: the engine's; small ones on a CPU)")
+    engine.add_argument("--model", default=None, help="default: random:qwen3-0.6b on a GPU")
+    for flag in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
+        engine.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+    engine.add_argument("--num-kvcache-blocks", type=int, default=None)
+    engine.add_argument("--num-scheduler-steps", type=int, default=None)
+    engine.add_argument("--compile-at-startup", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--eviction-policy", default=None)
+    calibration = parser.add_argument_group("calibration")
+    calibration.add_argument("--decode-steps", type=int, default=32, help="per decode phase")
+    calibration.add_argument("--repeats", type=int, default=3, help="prefill phases per size")
+    calibration.add_argument("--out", default=None, help="write the fitted model here (JSON)")
+    calibration.add_argument("--samples", default=None, help="write the timed steps here (JSON)")
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    trace = parser.add_argument_group("trace (a file, or a synthetic Mooncake-format one)")
+    trace.add_argument("--trace", default=None, help="a JSONL trace (workloads.load_trace)")
+    trace.add_argument("--num-requests", type=int, default=200)
+    trace.add_argument("--request-rate", type=float, default=20.0)
+    trace.add_argument("--num-prefixes", type=int, default=20)
+    trace.add_argument("--prefix-blocks", type=int, nargs=2, default=(1, 4))
+    trace.add_argument("--own-blocks", type=int, nargs=2, default=(1, 2))
+    trace.add_argument("--output-length", type=int, nargs=2, default=(16, 128))
+    trace.add_argument("--zipf", type=float, default=1.0)
+    trace.add_argument("--hash-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    trace.add_argument("--seed", type=int, default=0)
+
+
+def trace_requests(args: argparse.Namespace) -> list[Request]:
+    """The requests of --trace, or of a synthetic trace written to a temporary file."""
+    options = {"hash_block_size": args.hash_block_size, "seed": args.seed}
+    if args.trace:
+        return load_trace(args.trace, **options)
+    records = synthetic_trace(
+        args.num_requests,
+        num_prefixes=args.num_prefixes,
+        prefix_blocks=tuple(args.prefix_blocks),
+        own_blocks=tuple(args.own_blocks),
+        output_length=tuple(args.output_length),
+        zipf_exponent=args.zipf,
+        request_rate=args.request_rate,
+        hash_block_size=args.hash_block_size,
+        seed=args.seed,
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "trace.jsonl"
+        write_jsonl(path, records)
+        return load_trace(path, **options)
+
+
+START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f} s] {message}", flush=True)
+
+
+def build_llm(args: argparse.Namespace):
+    from jaxllm import LLM
+    from jaxllm.platform import Platform
+
+    gpu = Platform.detect().backend != "cpu"
+    model = args.model or ("random:qwen3-0.6b" if gpu else "random:qwen3-tiny")
+    kwargs = {} if gpu else dict(CPU_ENGINE_KWARGS)
+    for flag, name in ENGINE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            kwargs[name] = getattr(args, flag)
+    llm = LLM(model, **kwargs)
+    progress(f"engine built: {model}, {llm.engine.scheduler.config}")
+    return model, llm
+
+
+def fitted_model(args: argparse.Namespace, model_name: str, llm) -> tuple[StepCostModel, dict]:
+    """Times the calibration phases on the engine, fits the model, writes --out and --samples."""
+    import jax
+
+    phase_options = {"decode_steps": args.decode_steps, "repeats": args.repeats}
+    samples = calibrate.measure(llm.engine, **phase_options)
+    progress(f"calibration: {len(samples)} steps timed")
+    device = jax.devices()[0].device_kind
+    description = f"fit: {model_name} on {device}, {len(samples)} steps"
+    model = StepCostModel.fit(samples, description=description)
+    report = calibrate.fit_report(model, samples)
+    if args.out:
+        model.save(args.out)
+    if args.samples:
+        rows = [work._asdict() | {"seconds": seconds} for work, seconds in samples]
+        Path(args.samples).write_text(json.dumps(rows) + "\n")
+    return model, report
+
+
+def run_measure(args: argparse.Namespace) -> dict:
+    model_name, llm = build_llm(args)
+    model, report = fitted_model(args, model_name, llm)
+    return {"cost_model": dataclasses.asdict(model), "fit": report}
+
+
+def run_replay(args: argparse.Namespace) -> dict:
+    model_name, llm = build_llm(args)
+    if args.cost_model:
+        model, report = StepCostModel.load(args.cost_model), None
+        phase_options = {"decode_steps": args.decode_steps, "repeats": args.repeats}
+        calibrate.warm_up(llm.engine, **phase_options)
+        progress("warmed up")
+    else:
+        model, report = fitted_model(args, model_name, llm)
+    requests = trace_requests(args)
+    last = max(request.arrival_time or 0.0 for request in requests)
+    progress(f"replaying {len(requests)} requests arriving over {last:.1f} s")
+    record = calibrate.replay(llm.engine, requests, model) | {"fit": report}
+    progress("replayed through the engine and the simulator")
+    engine, simulator = record["engine_ttft_seconds"], record["simulator_ttft_seconds"]
+    print(
+        "TTFT mean / p50 / p99 (s): engine {mean:.4f} / {p50:.4f} / {p99:.4f}".format(**engine)
+        + ", simulator {mean:.4f} / {p50:.4f} / {p99:.4f}".format(**simulator)
+    )
+    ratio = record["ttft_ratio"]["mean"]
+    verdict = "within" if abs(ratio - 1) <= 0.2 else "NOT within"
+    print(f"simulator / engine mean TTFT: {ratio:.3f} ({verdict} 20%)")
+    return record
+
+
+def run_simulate(args: argparse.Namespace) -> dict:
+    model = StepCostModel.load(args.cost_model) if args.cost_model else None
+    model = model or H200_QWEN3_0_6B
+    start = time.perf_counter()
+    requests = trace_requests(args)
+    load_seconds = time.perf_counter() - start
+    config = make_config(
+        requests,
+        args.cache_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_tile=args.prefill_tile,
+    )
+    config = dataclasses.replace(config, num_scheduler_steps=args.num_scheduler_steps)
+    result = simulate(requests, config, args.policy, arrival="time", cost_model=model)
+    print(format_table([result]))
+    print(
+        f"{len(requests)} requests: loaded in {load_seconds:.1f} s, simulated in "
+        f"{result.wall_seconds:.1f} s; TTFT mean / p50 / p99 {result.mean_ttft_seconds:.4f} / "
+        f"{result.p50_ttft_seconds:.4f} / {result.p99_ttft_seconds:.4f} s; cost model: "
+        f"{model.description}"
+    )
+    return result.as_dict() | {"load_seconds": load_seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrate_step_cost.py", description=__doc__.split("\n\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    measure = commands.add_parser("measure", help="time step shapes on the engine and fit")
+    add_engine_arguments(measure)
+    replay = commands.add_parser("replay", help="a timed trace: engine vs simulator TTFT")
+    add_engine_arguments(replay)
+    replay.add_argument("--cost-model", default=None, help="default: measure and fit first")
+    add_trace_arguments(replay)
+    sim = commands.add_parser("simulate", help="the simulator alone on a timed trace")
+    sim.add_argument("--cost-model", default=None, help="default: the H200 placeholder")
+    settings = sim.add_argument_group("scheduler (default: the engine's on one H200, 0.6B)")
+    settings.add_argument("--cache-blocks", type=int, default=3392, help="KV blocks")
+    settings.add_argument("--block-size", type=int, default=256)
+    settings.add_argument("--max-num-seqs", type=int, default=512)
+    settings.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    settings.add_argument("--prefill-tile", type=int, default=128)
+    settings.add_argument("--num-scheduler-steps", type=int, default=1)
+    settings.add_argument("--policy", default="lru")
+    add_trace_arguments(sim)
+    for command in (measure, replay, sim):
+        command.add_argument("--json", default=None, help="write the record here")
+    args = parser.parse_args(argv)
+    run = {"measure": run_measure, "replay": run_replay, "simulate": run_simulate}
+    record = run[args.command](args)
+    if args.command != "simulate":
+        print(json.dumps(record, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
