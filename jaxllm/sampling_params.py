@@ -140,6 +140,8 @@ class SamplingParams:
             a space) is banned whenever the output ends with the tokens before it.
         structured_outputs: a JSON schema, regex, choice or grammar the output follows
             (`StructuredOutputsParams`).
+        extra_args: the request's metadata for custom code (vLLM's name), e.g. a priority, a
+            session or a tenant; eviction policies read it (`cache.eviction.BlockInfo`).
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -166,6 +168,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -360,6 +363,11 @@ _CHECKS: dict[str, Check] = {
         lambda _: True,
         "None or a StructuredOutputsParams",
     ),
+    "extra_args": (
+        lambda value: value if isinstance(value, dict) else None,
+        lambda args: all(isinstance(key, str) for key in args),
+        "None or a dict with string keys",
+    ),
 }
 # The fields whose None is a value of its own (not given).
 _OPTIONAL = frozenset(
@@ -373,5 +381,6 @@ _OPTIONAL = frozenset(
         "allowed_token_ids",
         "bad_words",
         "structured_outputs",
+        "extra_args",
     }
 )

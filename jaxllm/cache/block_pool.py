@@ -14,16 +14,19 @@ collisions notwithstanding.
 from __future__ import annotations
 
 import itertools
+import time
+import types
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxllm.cache.eviction import EvictionPolicy, make_policy
+from jaxllm.cache.eviction import BlockInfo, EvictionPolicy, make_policy
 from jaxllm.cache.hashing import pack_token_ids
 
 ROOT_KEY = 0  # the parent key of a sequence's first block; block keys start at 1
+NO_METADATA: Mapping = types.MappingProxyType({})
 
 
 class IntegrityError(AssertionError):
@@ -63,7 +66,8 @@ class CacheStats:
 class BlockPool:
     """Owns `num_blocks` KV blocks: ref counts, the empty list, the hash map, the policy.
 
-    Block tables are plain lists of block ids, owned by the caller (the scheduler).
+    Block tables are plain lists of block ids, owned by the caller (the scheduler). `clock`
+    gives the time policies see (`block_info`).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class BlockPool:
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: str | EvictionPolicy = "lru",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -82,13 +87,19 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(eviction_policy)
-        if len(self.policy):
+        if len(self.policy) or self.policy.pool is not None:
             raise ValueError("the eviction policy instance is already in use by another pool")
+        self.policy.pool = self
+        self.clock = clock
         self._ref_counts = [0] * num_blocks
         self._hashes: list[int | None] = [None] * num_blocks
         self._keys = [0] * num_blocks
         self._parent_keys = [0] * num_blocks
         self._tokens: list[bytes | None] = [None] * num_blocks
+        # What policies see of a cached block (`block_info`).
+        self._metadata: list[Mapping] = [NO_METADATA] * num_blocks
+        self._num_hits = [0] * num_blocks
+        self._positions = [0] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._empty = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._new_keys = itertools.count(ROOT_KEY + 1)
@@ -157,6 +168,7 @@ class BlockPool:
             return None
         for block_id in cached_block_ids:
             self._ref_counts[block_id] += 1
+            self._num_hits[block_id] += 1
             self.policy.on_hit(block_id)
         return [*cached_block_ids, *self._take_fresh(num_new_blocks)]
 
@@ -168,19 +180,34 @@ class BlockPool:
         block_table.extend(self._take_fresh(num_new_blocks))
         return True
 
-    def free(self, block_table: Iterable[int]) -> None:
-        """Drops one reference to each block; unreferenced cached ones go to the policy.
+    def free(self, block_table: Iterable[int], metadata: Mapping | None = None) -> None:
+        """Drops one reference to each block; unreferenced cached ones go to the policy, unless
+        it does not admit them (then they are forgotten, empty). `metadata`: the holder's
+        (`BlockInfo.metadata`).
 
         Blocks are released last to first, so that under LRU a prefix's tail is evicted first.
         """
         refs = self._ref_counts
+        metadata = NO_METADATA if metadata is None else metadata
         for block_id in reversed(list(block_table)):
             refs[block_id] -= 1
+            self._metadata[block_id] = metadata
             if refs[block_id] == 0:
-                if self._hashes[block_id] is None:
-                    self._empty.append(block_id)
-                else:
+                if self._hashes[block_id] is not None and self.policy.admit(block_id):
                     self.policy.on_free(block_id)
+                    continue
+                if self._hashes[block_id] is not None:
+                    self._forget(block_id)
+                self._empty.append(block_id)
+
+    def block_info(self, block_id: int) -> BlockInfo:
+        """What the pool knows of a cached block, for its policy."""
+        return BlockInfo(
+            self._metadata[block_id],
+            self.clock(),
+            self._num_hits[block_id],
+            self._positions[block_id],
+        )
 
     def cache_blocks(
         self,
@@ -221,11 +248,13 @@ class BlockPool:
                 self._parent_keys[block_id] = parent_key
                 self._tokens[block_id] = tokens
                 self._hash_to_block[block_hash] = block_id
+                self._num_hits[block_id], self._positions[block_id] = 0, index
                 self.policy.on_cache(block_id)
             elif owner != block_id:
                 if self._tokens[owner] != tokens or self._parent_keys[owner] != parent_key:
                     return  # a hash collision
                 self._ref_counts[owner] += 1
+                self._num_hits[owner] += 1
                 self.policy.on_hit(owner)
                 block_table[index] = owner
                 self.free((block_id,))
@@ -269,13 +298,17 @@ class BlockPool:
             else:
                 block_id = self.policy.victim()
                 self.policy.on_evict(block_id)
-                del self._hash_to_block[self._hashes[block_id]]
-                self._hashes[block_id] = None
-                self._tokens[block_id] = None
+                self._forget(block_id)
                 self._num_evictions += 1
             self._ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
+
+    def _forget(self, block_id: int) -> None:
+        """Drops the prefix-cache entry of a block (evicted, or not admitted)."""
+        del self._hash_to_block[self._hashes[block_id]]
+        self._hashes[block_id] = None
+        self._tokens[block_id] = None
 
     def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
         """Raises `IntegrityError` unless every invariant of the pool holds, given the block

@@ -1,7 +1,9 @@
 """Eviction policies: which cached free block the pool gives up when it needs a block.
 
 Every operation is O(1) (LRU, MRU) or amortised O(log n) (FIFO, LFU): pools hold 10^4-10^5
-blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method.
+blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method. A policy
+may read what the pool knows of a block (`info`: the metadata of the request that held it, the
+pool's clock, its hits, its place in its prefix) and refuse to keep a freed block (`admit`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,26 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What the pool knows of a cached block (`EvictionPolicy.info`).
+
+    Attributes:
+        metadata: `SamplingParams.extra_args` of the request that last held it ({} if none).
+        time: the pool's clock now: wall seconds in the engine, simulated ones in the simulator.
+        num_hits: prefix hits on it since it was cached.
+        position: its index in its prefix: `position * block_size` tokens come before it.
+    """
+
+    metadata: Mapping[str, Any]
+    time: float
+    num_hits: int
+    position: int
 
 
 class EvictionPolicy(ABC):
@@ -23,6 +44,16 @@ class EvictionPolicy(ABC):
 
     name: ClassVar[str] = ""
     _evictable: dict[int, Any]
+    pool: Any = None  # the `BlockPool` that uses it, set by the pool
+
+    def info(self, block_id: int) -> BlockInfo:
+        """What the pool knows of cached block `block_id` now."""
+        return self.pool.block_info(block_id)
+
+    def admit(self, block_id: int) -> bool:
+        """Whether cached block `block_id`, losing its last reference, stays in the prefix
+        cache; False forgets it at once (an empty block). Called before `on_free`."""
+        return True
 
     def on_cache(self, block_id: int) -> None:  # noqa: B027 (an optional hook)
         """Block `block_id` got a hash; it is referenced, hence not evictable yet."""

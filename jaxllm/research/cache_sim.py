@@ -213,7 +213,8 @@ def simulate(
     if cost_model is not None and step_time:
         raise ValueError("give a step_time or a cost_model, not both")
     start_wall = time.perf_counter()
-    scheduler = Scheduler(config, eviction_policy=policy)
+    now = 0.0  # when the current plan is made: the time policies see
+    scheduler = Scheduler(config, eviction_policy=policy, clock=lambda: now)
     params_of: dict[int, SamplingParams] = {}
     arrivals = [0.0 if arrival == "order" else (r.arrival_time or 0.0) for r in requests]
     order = sorted(range(len(requests)), key=arrivals.__getitem__)
@@ -249,7 +250,11 @@ def simulate(
             index = order[next_index]
             request = requests[index]
             params = params_of.get(request.max_tokens)
-            if params is None:
+            if request.metadata is not None:
+                params = SamplingParams(
+                    max_tokens=request.max_tokens, ignore_eos=True, extra_args=request.metadata
+                )
+            elif params is None:
                 params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
                 params_of[request.max_tokens] = params
             seq = scheduler.new_sequence(request.prompt_token_ids, params)

@@ -39,11 +39,14 @@ class Request:
         prompt_token_ids: [N] int32 token ids, N >= 1.
         max_tokens: tokens to generate (workloads are run with ignore_eos, so exactly these).
         arrival_time: seconds from the start of the workload; None: arrives with the others.
+        metadata: what the request says of itself (`SamplingParams.extra_args`: a session, a
+            priority, a tenant), which eviction policies may read; None: nothing.
     """
 
     prompt_token_ids: np.ndarray
     max_tokens: int
     arrival_time: float | None = None
+    metadata: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -241,7 +244,7 @@ def load_trace(
       `input_length` (the prompt's tokens; the last block may be partial);
     - the output: `max_tokens` or `output_length`;
     - optionally the arrival: `arrival_time` in seconds, or `timestamp` in milliseconds
-      (Mooncake).
+      (Mooncake), and `metadata` (an object).
 
     A hash id becomes `hash_block_size` random token ids seeded by (seed, hash id), so prompts
     share exactly the blocks their hash ids share.
@@ -277,9 +280,8 @@ def load_trace(
                     arrival = record["timestamp"] / 1000.0
             except (KeyError, ValueError, TypeError) as error:
                 raise ValueError(f"{path}:{line_number}: bad trace record ({error})") from None
-            requests.append(
-                Request(prompt, int(max_tokens), None if arrival is None else float(arrival))
-            )
+            arrival = None if arrival is None else float(arrival)
+            requests.append(Request(prompt, int(max_tokens), arrival, record.get("metadata")))
     return requests
 
 
@@ -293,6 +295,8 @@ def save_trace(path: str | Path, requests: Iterable[Request]) -> None:
             }
             if request.arrival_time is not None:
                 record["arrival_time"] = request.arrival_time
+            if request.metadata is not None:
+                record["metadata"] = request.metadata
             file.write(json.dumps(record) + "\n")
 
 

@@ -12,7 +12,9 @@ what a plan computes (also a token still on the device) and `update` only what t
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -37,6 +39,7 @@ class Scheduler:
     Args:
         ladder: the step shapes; default `BucketLadder` of `config` (a width per power of two).
         eviction_policy: the block pool's (see `jaxllm.cache.eviction`).
+        clock: the time the policy sees (`BlockPool`); the simulator gives its own.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Scheduler:
         *,
         ladder: BucketLadder | None = None,
         eviction_policy: str | EvictionPolicy = "lru",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.ladder = ladder or BucketLadder.from_config(config)
@@ -53,6 +57,7 @@ class Scheduler:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             eviction_policy=eviction_policy,
+            clock=clock,
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -345,7 +350,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks; it
         keeps its tokens and block hashes, and prefills again (mostly from the prefix cache)."""
-        self.block_pool.free(seq.block_table)
+        self.block_pool.free(seq.block_table, seq.params.extra_args)
         self.slots.release(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -358,7 +363,7 @@ class Scheduler:
         """Moves a running sequence whose last token is planned to `sampling_last`, its blocks
         freed (the planned step still writes them: any later step runs after it)."""
         self.running.remove(seq)
-        self.block_pool.free(seq.block_table)
+        self.block_pool.free(seq.block_table, seq.params.extra_args)
         self.slots.release(seq)
         seq.block_table = []
         seq.status = SequenceStatus.SAMPLING_LAST
@@ -372,7 +377,7 @@ class Scheduler:
             SequenceStatus.SAMPLING_LAST: self.sampling_last,
         }[seq.status]
         queue.remove(seq)
-        self.block_pool.free(seq.block_table)
+        self.block_pool.free(seq.block_table, seq.params.extra_args)
         self.slots.release(seq)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED

@@ -1,6 +1,6 @@
 """The simulator and the engine agree: same workload, same scheduler settings, same prefix-cache
-counters, evictions and preemptions, under every eviction policy; and the policy never changes
-the generated tokens.
+counters, evictions and preemptions, under every eviction policy (those reading the requests'
+metadata and refusing blocks too); and the policy never changes the generated tokens.
 
 The workload (prefix repetition, a hot prefix with scans, shared prefixes) in a cache of 16
 blocks of 16 tokens makes the engine evict and preempt, and gives each policy a different hit
@@ -9,6 +9,7 @@ count, so the agreement is not the trivial one of an idle cache.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -18,16 +19,33 @@ from support.engine import BASE_SETTINGS
 from jaxllm import LLM, SamplingParams
 from jaxllm.research import workloads as w
 from jaxllm.research.cache_sim import POLICY_NAMES, simulate
+from jaxllm.research.policies import PrefixCostPolicy, SessionPolicy
 
 NUM_BLOCKS = 16
+# NOTE: the engine's clock is the wall's, the simulator's stands still here: prefix-cost's
+# positions must outweigh any wall time for the two to choose alike.
+HOOK_POLICIES = {
+    "prefix-cost": lambda: PrefixCostPolicy(seconds_per_position=1e9),
+    "session": SessionPolicy,
+}
+ALL_POLICIES = (*POLICY_NAMES, *HOOK_POLICIES)
+
+
+def make_policy(name: str):
+    return HOOK_POLICIES[name]() if name in HOOK_POLICIES else name
 
 
 def workload() -> list[w.Request]:
-    return (
+    """The requests, two of three in a session, of priority 0 to 2."""
+    requests = (
         w.prefix_repetition(24, 6, 32, 4, 6, zipf_exponent=1.0, vocab_size=256, seed=4)
         + w.hot_prefix_with_scans(2, 12, 6, vocab_size=256, seed=4)
         + w.shared_prefix(3, 4, 40, 8, 12, order="interleaved", vocab_size=256, seed=4)
     )
+    return [
+        dataclasses.replace(r, metadata={"session_id": i % 3 or None, "priority": i % 4 // 2})
+        for i, r in enumerate(requests)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +54,17 @@ def runs(checkpoint) -> dict:
     requests = workload()
     prompts = [r.prompt_token_ids.tolist() for r in requests]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+        SamplingParams(
+            temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, extra_args=r.metadata
+        )
+        for r in requests
     ]
     results = {}
-    for policy in POLICY_NAMES:
-        llm = LLM(
-            str(checkpoint.path),
-            **BASE_SETTINGS
-            | dict(max_model_len=256, num_kvcache_blocks=NUM_BLOCKS, eviction_policy=policy),
+    for policy in ALL_POLICIES:
+        settings = dict(
+            max_model_len=256, num_kvcache_blocks=NUM_BLOCKS, eviction_policy=make_policy(policy)
         )
+        llm = LLM(str(checkpoint.path), **BASE_SETTINGS | settings)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[policy] = (
             llm.engine.scheduler.config,
@@ -56,10 +76,10 @@ def runs(checkpoint) -> dict:
     return results
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_simulator_reports_what_the_engine_did(runs, policy):
     config, stats, preemptions, outputs = runs[policy]
-    predicted = simulate(workload(), config, policy, check_integrity=True)
+    predicted = simulate(workload(), config, make_policy(policy), check_integrity=True)
     assert predicted.num_queried_tokens == stats.num_queried_tokens
     assert predicted.num_hit_tokens == stats.num_hit_tokens
     assert predicted.num_evictions == stats.num_evictions
@@ -74,10 +94,10 @@ def test_policies_differ_on_this_workload(runs):
 
 
 def test_policy_never_changes_the_tokens(runs):
-    tokens = {policy: [o.token_ids for o in runs[policy][3]] for policy in POLICY_NAMES}
+    tokens = {policy: [o.token_ids for o in runs[policy][3]] for policy in ALL_POLICIES}
     reference = tokens["lru"]
     assert all(len(t) == r.max_tokens for t, r in zip(reference, workload(), strict=True))
-    for policy in POLICY_NAMES:
+    for policy in ALL_POLICIES:
         assert tokens[policy] == reference, policy
     # NOTE: not a constant stream: the model's tokens depend on the prompt.
     assert len({tuple(t) for t in reference}) > len(reference) // 2
