@@ -7,6 +7,7 @@ dispatches step N before it applies step N - 1's tokens, which the device has me
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -225,47 +226,31 @@ class Engine:
         """Plans and dispatches the next step, then applies the previous step's tokens; returns
         the outputs of the requests that finished.
 
-        So outputs arrive one call after their last step; a call with nothing left to plan
-        just applies the last step. While the plan needs every sampled token on the host (bad
-        words of several tokens: `Scheduler.needs_host_tokens`), the previous step's tokens are
-        applied first. A step that raises (a device error, an interrupt it did not
-        hold back) resets the engine first (`reset`).
+        Outputs arrive one call after their last step. While the plan needs every sampled token
+        on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
+        step's tokens are applied first; a plan with grammars gets its masks while its forward
+        pass runs (`_masks`). A step that raises (a device error, an interrupt it did not hold
+        back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         seconds = {"wait": 0.0, "masks": 0.0}
-
-        def apply_in_flight() -> None:
-            if self._in_flight is not None:
-                in_flight, self._in_flight = self._in_flight, None
-                finished, seconds["wait"] = self._update(*in_flight)
-                outputs.extend(finished)
-
         try:
             if self.scheduler.needs_host_tokens:
-                apply_in_flight()
+                outputs += self._apply_in_flight(seconds)
             plan = self.scheduler.schedule()
             dispatch_start = time.perf_counter()
             result = None
             if plan is not None:
                 constrained = self._constrained_rows(plan)
-
-                def masks() -> np.ndarray:
-                    """The plan's token masks, after the previous step's tokens are applied."""
-                    apply_in_flight()
-                    masks_start = time.perf_counter()
-                    live = [
-                        (row, grammar) for row, seq, grammar in constrained if not seq.is_finished
-                    ]
-                    bitmask = self.grammars.bitmask(live, plan.bucket.num_sampled)
-                    seconds["masks"] = time.perf_counter() - masks_start
-                    return bitmask
-
-                result = self.runner.execute(plan, masks if constrained else None)
+                masks = None
+                if constrained:
+                    masks = functools.partial(self._masks, plan, constrained, seconds)
+                result = self.runner.execute(plan, masks)
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait()  # nothing runs: what waits needs its grammar
             dispatch_seconds = time.perf_counter() - dispatch_start - seconds["wait"]
-            apply_in_flight()
+            outputs += self._apply_in_flight(seconds)
         except BaseException:
             self.reset()
             raise
@@ -279,6 +264,34 @@ class Engine:
             kind.wait_seconds += seconds["wait"]
             kind.masks_seconds += seconds["masks"]
         return outputs
+
+    def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
+        """Applies the step in flight, if any (`_update`), adding its wait to `seconds`."""
+        if self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        finished, waited = self._update(*in_flight)
+        seconds["wait"] += waited
+        return finished
+
+    def _masks(self, plan: StepPlan, constrained: list, seconds: dict[str, float]) -> np.ndarray:
+        """The token bitmask of `plan`'s constrained rows (`_constrained_rows`), once the step
+        in flight's tokens its sequences keep are fed to their grammars; the scheduler applies
+        those tokens after the sampler is dispatched (`SequenceGrammar.accept` takes each once).
+        """
+        if self._in_flight is not None and self._in_flight[0].bucket.num_steps == 1:
+            previous, result = self._in_flight  # NOTE: plans of several steps have no grammars
+            wait_start = time.perf_counter()
+            tokens = np.asarray(result.tokens).tolist()
+            seconds["wait"] += time.perf_counter() - wait_start
+            for seq, samples, token in zip(previous.seqs, previous.samples, tokens, strict=False):
+                if samples and seq.grammar is not None and not seq.is_finished:
+                    seq.grammar.accept(token, seq.num_output_tokens)
+        start = time.perf_counter()
+        live = [(row, grammar) for row, seq, grammar in constrained if not seq.is_finished]
+        bitmask = self.grammars.bitmask(live, plan.bucket.num_sampled)
+        seconds["masks"] += time.perf_counter() - start
+        return bitmask
 
     def _constrained_rows(self, plan: StepPlan) -> list[tuple[int, Sequence, SequenceGrammar]]:
         """(row, sequence, grammar) of each row of `plan` that samples under a grammar."""
