@@ -100,6 +100,7 @@ class BlockPool:
         self._metadata: list[Mapping] = [NO_METADATA] * num_blocks
         self._num_hits = [0] * num_blocks
         self._positions = [0] * num_blocks
+        self._holder_blocks = [0] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._empty = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._new_keys = itertools.count(ROOT_KEY + 1)
@@ -189,9 +190,11 @@ class BlockPool:
         """
         refs = self._ref_counts
         metadata = NO_METADATA if metadata is None else metadata
-        for block_id in reversed(list(block_table)):
+        block_table = list(block_table)
+        for block_id in reversed(block_table):
             refs[block_id] -= 1
             self._metadata[block_id] = metadata
+            self._holder_blocks[block_id] = len(block_table)
             if refs[block_id] == 0:
                 if self._hashes[block_id] is not None and self.policy.admit(block_id):
                     self.policy.on_free(block_id)
@@ -207,6 +210,7 @@ class BlockPool:
             self.clock(),
             self._num_hits[block_id],
             self._positions[block_id],
+            self._holder_blocks[block_id],
         )
 
     def cache_blocks(

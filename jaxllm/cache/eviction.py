@@ -2,8 +2,9 @@
 
 Every operation is O(1) (LRU, MRU) or amortised O(log n) (FIFO, LFU): pools hold 10^4-10^5
 blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method. A policy
-may read what the pool knows of a block (`info`: the metadata of the request that held it, the
-pool's clock, its hits, its place in its prefix) and refuse to keep a freed block (`admit`).
+may read what the pool knows of a block (`info`: the metadata and length of the request that
+held it, the pool's clock, its hits, its place in its prefix) and refuse to keep a freed block
+(`admit`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ class BlockInfo:
         time: the pool's clock now: wall seconds in the engine, simulated ones in the simulator.
         num_hits: prefix hits on it since it was cached.
         position: its index in its prefix: `position * block_size` tokens come before it.
+        holder_blocks: the blocks of the request that last held it (a longer request costs
+            more to compute again).
     """
 
     metadata: Mapping[str, Any]
     time: float
     num_hits: int
     position: int
+    holder_blocks: int
 
 
 class EvictionPolicy(ABC):

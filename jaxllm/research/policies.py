@@ -1,6 +1,6 @@
 """Eviction policies that use what the pool knows of a block (`EvictionPolicy.info`): the
-request's metadata, the clock, hits and the block's place in its prefix, and that decide what
-to keep at all (`EvictionPolicy.admit`). Pass an instance: `LLM(..., eviction_policy=
+request's metadata and length, the clock, hits and the block's place in its prefix, and that
+decide what to keep at all (`EvictionPolicy.admit`). Pass an instance: `LLM(..., eviction_policy=
 PrefixCostPolicy())`, or `cache_sim.simulate(..., policy=SessionPolicy())`.
 """
 
@@ -10,21 +10,22 @@ from jaxllm.cache.eviction import PriorityPolicy
 
 
 class PrefixCostPolicy(PriorityPolicy):
-    """Least recently freed, with blocks deeper in their prefix kept longer: a hit on block k
-    saves its own tokens' attention over the k blocks before it, so recomputing it costs more
-    (Marconi's FLOP-aware weighting). A block at position k counts as freed
-    `seconds_per_position * k` seconds later than it was.
+    """Least recently freed, with blocks of longer requests kept longer: recomputing a prefix
+    costs more the longer it is (attention over every token before), so a block counts as
+    freed `seconds_per_block` later for each block of the request that held it (Marconi's
+    FLOP-aware weighting, in its simplest form). A request's blocks share one weight, so its
+    tail is still evicted before its head, which the tail's lookups need.
     """
 
     name = "prefix-cost"
 
-    def __init__(self, seconds_per_position: float = 1.0) -> None:
+    def __init__(self, seconds_per_block: float = 1.0) -> None:
         super().__init__()
-        self.seconds_per_position = seconds_per_position
+        self.seconds_per_block = seconds_per_block
 
     def priority(self, block_id: int) -> float:
         info = self.info(block_id)
-        return info.time + self.seconds_per_position * info.position
+        return info.time + self.seconds_per_block * info.holder_blocks
 
 
 class SessionPolicy(PriorityPolicy):

@@ -23,9 +23,9 @@ from jaxllm.research.policies import PrefixCostPolicy, SessionPolicy
 
 NUM_BLOCKS = 16
 # NOTE: the engine's clock is the wall's, the simulator's stands still here: prefix-cost's
-# positions must outweigh any wall time for the two to choose alike.
+# weights must outweigh any wall time for the two to choose alike.
 HOOK_POLICIES = {
-    "prefix-cost": lambda: PrefixCostPolicy(seconds_per_position=1e9),
+    "prefix-cost": lambda: PrefixCostPolicy(seconds_per_block=1e9),
     "session": SessionPolicy,
 }
 ALL_POLICIES = (*POLICY_NAMES, *HOOK_POLICIES)

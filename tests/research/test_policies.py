@@ -54,6 +54,7 @@ def test_a_policy_sees_metadata_time_hits_and_position():
     assert all(policy.seen[block].num_hits == 1 for block in table)
     assert all(policy.seen[block].metadata == {"tenant": "b"} for block in table)
     assert all(policy.seen[block].time == 12.5 for block in table)
+    assert all(policy.seen[block].holder_blocks == 3 for block in table)
     pool.check_integrity([])
 
 
@@ -99,17 +100,18 @@ def test_refusing_every_block_gives_no_hits_in_the_engine(make_llm):
     assert lru.cache_stats().num_hit_tokens > 0
 
 
-def test_prefix_cost_keeps_deeper_blocks_longer():
-    """Blocks freed together: the shallowest goes first; a block freed later but shallower
-    still goes before a deep one when positions weigh more than the time between them."""
+def test_prefix_cost_keeps_longer_requests_blocks_longer():
+    """A request of three blocks freed at t=0 (priority 0 + 3 * 10) outlasts one of one block
+    freed at t=5 (5 + 10); within a request the tail goes first, as under LRU."""
     now = [0.0]
     pool = BlockPool(4, BLOCK, eviction_policy=PrefixCostPolicy(10.0), clock=lambda: now[0])
-    pool.free(cached_table(pool, list(range(12))))  # positions 0, 1, 2 at t=0
+    long = cached_table(pool, list(range(12)))
+    pool.free(long)
     now[0] = 5.0
-    pool.free(cached_table(pool, [99] * 4))  # position 0 at t=5: priority 5 < 10
+    short = cached_table(pool, [99] * 4)
+    pool.free(short)
     order = [pool.allocate([], 1)[0] for _ in range(4)]
-    # priorities: blocks 0, 1, 2 (t=0) -> 0, 10, 20; block 3 (t=5) -> 5
-    assert order == [0, 3, 1, 2]
+    assert order == [*short, *reversed(long)]
 
 
 def test_session_policy_keeps_sessions_and_evicts_low_priority_first():
