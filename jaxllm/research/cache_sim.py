@@ -214,7 +214,7 @@ def simulate(
         raise ValueError("give a step_time or a cost_model, not both")
     start_wall = time.perf_counter()
     now = 0.0  # when the current plan is made: the time policies see
-    scheduler = Scheduler(config, eviction_policy=policy, clock=lambda: now)
+    scheduler = Scheduler(config, eviction_policy=policy, clock=lambda: now, outlines=True)
     params_of: dict[int, SamplingParams] = {}
     arrivals = [0.0 if arrival == "order" else (r.arrival_time or 0.0) for r in requests]
     order = sorted(range(len(requests)), key=arrivals.__getitem__)

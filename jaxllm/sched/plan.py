@@ -159,8 +159,9 @@ class StepPlan:
             prefill chunk that stops short of the sequence's end.
         inputs: the model's inputs (numpy, the bucket's shape). The token of a decode row
             whose value the previous step is still sampling is 0 here: the runner takes it
-            from that step's output on the device.
-        sampling: the sampler's inputs, one row per sequence (padding rows are greedy).
+            from that step's output on the device. None in an outline (`plan_outline`).
+        sampling: the sampler's inputs, one row per sequence (padding rows are greedy); None
+            in an outline.
         step_slots: [K, T] the KV slot of each row at each step of a decode plan of K > 1
             steps (row 0 is `inputs.slot_mapping`); -1 past a sequence's steps. None otherwise.
         logprobs: a row that samples asks for the logprobs of its token, or the plan samples
@@ -177,8 +178,8 @@ class StepPlan:
     num_new_tokens: list[int]
     samples: list[bool]
     bucket: Bucket
-    inputs: ModelInputs
-    sampling: SamplingInputs
+    inputs: ModelInputs | None
+    sampling: SamplingInputs | None
     step_slots: np.ndarray | None = None
     logprobs: bool = False
     logprob_targets: np.ndarray | None = None
@@ -268,6 +269,34 @@ def plan_step(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
         processors,
     )  # fmt: skip
+
+
+def plan_outline(
+    ladder: BucketLadder,
+    block_size: int,
+    kind: StepKind,
+    seqs: list[Sequence],
+    starts: list[int],
+    counts: list[int],
+    num_steps: int = 1,
+    all_rows: bool = False,
+) -> StepPlan:
+    """What `plan_step` plans, without the device's arrays: the sequences, their counts, which
+    rows sample and the bucket; for a simulator, which never runs a plan."""
+    ends = [start + count for start, count in zip(starts, counts, strict=True)]
+    width = max(
+        min(len(seq.block_table), -(-end // block_size))
+        for seq, end in zip(seqs, ends, strict=True)
+    )
+    if kind == "decode":
+        bucket = ladder.decode_bucket(len(seqs), width, num_steps)
+        samples = [True] * len(seqs)
+    else:
+        tile = ladder.prefill_tile
+        num_tokens = sum(-(-count // tile) for count in counts) * tile
+        bucket = ladder.prefill_bucket(num_tokens, width, all_rows)
+        samples = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
+    return StepPlan(seqs, starts, counts, samples, bucket, None, None)
 
 
 def _step_slots(

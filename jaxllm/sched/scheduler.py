@@ -23,9 +23,10 @@ from jaxllm.cache.block_pool import BlockPool, CacheStats
 from jaxllm.cache.eviction import EvictionPolicy
 from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched import plan as plans
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
-from jaxllm.sched.plan import BucketLadder, StepPlan, keep_prompt_logprobs, plan_step
+from jaxllm.sched.plan import BucketLadder, StepPlan
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 
@@ -40,6 +41,7 @@ class Scheduler:
         ladder: the step shapes; default `BucketLadder` of `config` (a width per power of two).
         eviction_policy: the block pool's (see `jaxllm.cache.eviction`).
         clock: the time the policy sees (`BlockPool`); the simulator gives its own.
+        outlines: plans without the device's arrays (`plan_outline`), for the simulator.
     """
 
     def __init__(
@@ -49,8 +51,10 @@ class Scheduler:
         ladder: BucketLadder | None = None,
         eviction_policy: str | EvictionPolicy = "lru",
         clock: Callable[[], float] = time.monotonic,
+        outlines: bool = False,
     ) -> None:
         self.config = config
+        self.outlines = outlines
         self.ladder = ladder or BucketLadder.from_config(config)
         self.block_pool = BlockPool(
             config.num_blocks,
@@ -161,10 +165,13 @@ class Scheduler:
         starts = [seq.num_computed_tokens for seq in seqs]
         num_steps = self.ladder.num_steps if kind == "decode" and max(counts) > 1 else 1
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
-        plan = plan_step(
-            self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps, all_rows,
-            self.slots.take_new() if self.slots.num_held else None,
-        )  # fmt: skip
+        shape = (self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps)
+        new_slots = self.slots.take_new() if self.slots.num_held else None
+        plan = (
+            plans.plan_outline(*shape, all_rows)
+            if self.outlines
+            else plans.plan_step(*shape, all_rows, new_slots)
+        )
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -198,7 +205,7 @@ class Scheduler:
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
         if plan.all_rows and logprobs is not None:
-            keep_prompt_logprobs(plan, logprobs)
+            plans.keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
         for index, (seq, samples, row, count) in enumerate(rows):
             for token in row[:count] if samples else ():
@@ -252,17 +259,17 @@ class Scheduler:
             seqs.append(seq)
             counts.append(count)
 
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         # NOTE: a chunk whose prompt logprobs are wanted has every row sampled: it goes alone.
-        for seq in self.running:
-            if seq.wants_prompt_logprobs and seq.num_tokens - seq.num_computed_tokens > 1:
+        for seq in prefilling:
+            if seq.wants_prompt_logprobs:
                 budget = self.ladder.all_rows_tokens
                 add_chunk(seq)
                 return "prefill", seqs, counts
-        for seq in self.running:
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.num_tokens - seq.num_computed_tokens > 1:
-                add_chunk(seq)
+            add_chunk(seq)
         compiling = []  # waiting for their grammars: those behind them go first
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]

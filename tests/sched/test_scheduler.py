@@ -307,3 +307,37 @@ def test_sequence_ids_come_from_each_scheduler():
     first, second = make_scheduler(), make_scheduler()
     assert [make_seq(first, 2).seq_id, make_seq(first, 2).seq_id] == [0, 1]
     assert make_seq(second, 2).seq_id == 0
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_outlines_plan_what_full_plans_do(num_scheduler_steps):
+    """Two schedulers in lockstep on one workload (shared prefixes, chunking, preemption):
+    the one making outlines (the simulator's) plans the same sequences, counts, samples and
+    buckets as the one building the device's arrays."""
+    import numpy as np
+    from support.sched import make_config
+
+    from jaxllm.sched import Scheduler
+
+    config = make_config(num_blocks=12, num_scheduler_steps=num_scheduler_steps)
+    full, outline = Scheduler(config), Scheduler(config, outlines=True)
+    rng = np.random.default_rng(0)
+    for index in range(12):
+        prompt = [*range(100, 108), *rng.integers(0, 50, int(rng.integers(1, 14))).tolist()]
+        for scheduler in (full, outline):
+            make_seq(scheduler, prompt, max_tokens=3 + index)
+    steps = 0
+    while full.has_unfinished():
+        plans = full.schedule(), outline.schedule()
+        if plans[0] is None:
+            assert plans[1] is None
+            continue
+        a, b = plans
+        assert b.inputs is None and b.sampling is None
+        assert [s.seq_id for s in a.seqs] == [s.seq_id for s in b.seqs]
+        assert (a.num_new_tokens, a.samples, a.bucket) == (b.num_new_tokens, b.samples, b.bucket)
+        tokens = np.zeros((num_scheduler_steps, 8), np.int32)
+        full.update(a, tokens)
+        outline.update(b, tokens)
+        steps += 1
+    assert not outline.has_unfinished() and full.num_preemptions > 0 and steps > 10
