@@ -1,6 +1,7 @@
 """The simulator and the engine agree: same workload, same scheduler settings, same prefix-cache
 counters, evictions and preemptions, under every eviction policy (those reading the requests'
-metadata and refusing blocks too); and the policy never changes the generated tokens.
+metadata and refusing blocks too), also when requests arrive over time; and the policy never
+changes the generated tokens.
 
 The workload (prefix repetition, a hot prefix with scans, shared prefixes) in a cache of 16
 blocks of 16 tokens makes the engine evict and preempt, and gives each policy a different hit
@@ -137,3 +138,40 @@ def test_bench_workload_record_matches_the_simulator(tmp_path):
         assert record[engine_name] == record[sim_name], engine_name
     assert record["prompt_tokens"] == 12 * 144
     assert 0 < record["ttft_ms_p50"] <= record["ttft_ms_p99"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "session"])
+def test_simulator_reports_what_the_engine_did_on_a_timed_trace(checkpoint, policy):
+    """Requests arriving over time. In the simulator, with one step a second, a request
+    arriving at second t is added before plan t + 1 (plans run one step ahead); the engine gets
+    it before its step call t + 1. A long first request keeps both busy until the last arrival,
+    so the simulator's clock never jumps ahead."""
+    anchor = w.Request(np.arange(1, 9, dtype=np.int32), 120, 0.0, {"session_id": 0})
+    timed = [anchor] + [
+        dataclasses.replace(r, arrival_time=float(1 + i // 2)) for i, r in enumerate(workload())
+    ]
+    settings = dict(
+        max_model_len=256, num_kvcache_blocks=NUM_BLOCKS, eviction_policy=make_policy(policy)
+    )
+    llm = LLM(str(checkpoint.path), **BASE_SETTINGS | settings)
+    engine, pending, calls = llm.engine, list(timed), 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].arrival_time <= max(calls - 1, 0):
+            request = pending.pop(0)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True,
+                extra_args=request.metadata,
+            )  # fmt: skip
+            engine.add(engine.new_request(request.prompt_token_ids.tolist(), params))
+        engine.step()
+        calls += 1
+    stats = llm.cache_stats()
+    config = engine.scheduler.config
+    predicted = simulate(
+        timed, config, make_policy(policy), arrival="time", step_time=1.0, check_integrity=True
+    )
+    assert predicted.num_queried_tokens == stats.num_queried_tokens
+    assert predicted.num_hit_tokens == stats.num_hit_tokens > 0
+    assert predicted.num_evictions == stats.num_evictions > 0
+    assert predicted.num_preemptions == engine.scheduler.num_preemptions
+    assert predicted.num_prefill_steps + predicted.num_decode_steps == calls - 1
