@@ -239,7 +239,7 @@ class Engine:
             if self.scheduler.needs_host_tokens:
                 outputs += self._apply_in_flight(seconds)
             plan = self.scheduler.schedule()
-            dispatch_start = time.perf_counter()
+            dispatch_start, waited = time.perf_counter(), seconds["wait"]
             result = None
             if plan is not None:
                 constrained = self._constrained_rows(plan)
@@ -248,8 +248,8 @@ class Engine:
                     masks = functools.partial(self._masks, plan, constrained, seconds)
                 result = self.runner.execute(plan, masks)
             elif self._in_flight is None and self.scheduler.has_unfinished():
-                self.grammars.wait()  # nothing runs: what waits needs its grammar
-            dispatch_seconds = time.perf_counter() - dispatch_start - seconds["wait"]
+                self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
+            dispatch_seconds = time.perf_counter() - dispatch_start - (seconds["wait"] - waited)
             outputs += self._apply_in_flight(seconds)
         except BaseException:
             self.reset()

@@ -86,13 +86,11 @@ class StructuredOutputsParams:
     @property
     def spec(self) -> tuple[str, str]:
         """(kind, text): the constraint as llguidance's `grammar_from` takes it; equal specs
-        are one grammar."""
+        are one grammar. A schema's keys keep their order: the output's follow it."""
         if self.json_object:
             return "json", '{"type": "object"}'
         if self.json is not None:
-            text = (
-                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-            )
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json", text
         if self.choice is not None:
             return "choice", json.dumps(list(self.choice))

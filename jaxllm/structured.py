@@ -137,9 +137,11 @@ class Grammars:
             self._compiled[key] = compiled
         return compiled
 
-    def wait(self) -> None:
-        """Blocks until one more grammar is compiled (none: returns at once)."""
-        compiling = [compiled for compiled in self._compiled.values() if not compiled.done()]
+    @staticmethod
+    def wait(grammars: list[SequenceGrammar | None]) -> None:
+        """Blocks until one of these sequences' grammars is compiled (none compiling: at once);
+        for an engine with nothing else to run."""
+        compiling = [g._compiled for g in grammars if g is not None and not g._compiled.done()]
         concurrent.futures.wait(compiling, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def bitmask(self, rows: list[tuple[int, SequenceGrammar]], num_rows: int) -> np.ndarray:

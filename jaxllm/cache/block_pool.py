@@ -87,7 +87,7 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(eviction_policy)
-        if len(self.policy) or self.policy.pool is not None:
+        if len(self.policy):
             raise ValueError("the eviction policy instance is already in use by another pool")
         self.policy.pool = self
         self.clock = clock

@@ -155,7 +155,7 @@ class Scheduler:
         """
         chunks = self._schedule_prefill() or self._schedule_decode()
         if chunks is None:
-            if any(seq.grammar is not None and not seq.grammar.ready for seq in self.waiting):
+            if self._skipped_compiling:
                 return None  # what waits needs its grammar, compiling in the background
             if self.waiting and not self.running:
                 # NOTE: unreachable while `new_sequence` refuses what can never fit; fail loudly.
@@ -247,6 +247,7 @@ class Scheduler:
         """("prefill", seqs, counts) of the step's prefill chunks, or None."""
         cfg = self.config
         tile, budget = cfg.prefill_tile, cfg.max_num_batched_tokens
+        self._skipped_compiling = False  # NOTE: read by `schedule`
         seqs: list[Sequence] = []
         counts: list[int] = []
 
@@ -290,6 +291,7 @@ class Scheduler:
                 break
             add_chunk(seq)
         self.waiting.extendleft(reversed(compiling))
+        self._skipped_compiling = bool(compiling)
         return ("prefill", seqs, counts) if seqs else None
 
     def _admit(self, seq: Sequence) -> bool:

@@ -51,6 +51,18 @@ def test_json_schema_outputs_validate(text_llm):
     assert len({c.text for c in completions}) > NUM_SEEDS // 2  # sampled, not forced
 
 
+def test_json_keys_follow_the_schema_order(text_llm):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    for completion in sample_all(text_llm, constraint)[:4]:
+        assert list(json.loads(completion.text)) == ["zeta", "alpha"]
+
+
 def test_json_schema_with_whitespace_is_a_valid_prefix_or_whole(text_llm):
     """Any whitespace allowed: random weights may spend the whole budget on it; what stopped
     validates."""

@@ -341,3 +341,25 @@ def test_outlines_plan_what_full_plans_do(num_scheduler_steps):
         outline.update(b, tokens)
         steps += 1
     assert not outline.has_unfinished() and full.num_preemptions > 0 and steps > 10
+
+
+def test_a_grammar_compiled_between_two_looks_does_not_fail_the_step():
+    """The prefill pass passes over a sequence whose grammar compiles; if the compile ends
+    before `schedule` looks again, the step is still empty (None), and the next admits it."""
+
+    class Compiling:
+        def __init__(self) -> None:
+            self.looks = 0
+
+        @property
+        def ready(self) -> bool:
+            self.looks += 1
+            return self.looks > 1
+
+    scheduler = make_scheduler()
+    seq = scheduler.new_sequence(list(range(100, 106)), SamplingParams(max_tokens=2))
+    seq.grammar = Compiling()
+    scheduler.add(seq)
+    assert scheduler.schedule() is None
+    plan = scheduler.schedule()
+    assert plan is not None and plan.seqs == [seq]
