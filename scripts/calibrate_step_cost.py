@@ -26,8 +26,8 @@ from pathlib import Path
 from jaxllm.research import calibrate
 from jaxllm.research.cache_sim import format_table, make_config, simulate
 from jaxllm.research.cost_model import H200_QWEN3_0_6B, StepCostModel
-from jaxllm.research.mooncake import synthetic_trace, write_jsonl
-from jaxllm.research.workloads import MOONCAKE_BLOCK_SIZE, Request, load_trace
+from jaxllm.research.mooncake import add_trace_arguments, trace_from_arguments, write_jsonl
+from jaxllm.research.workloads import Request, load_trace
 
 # The engine's limits without an accelerator: a small ladder, compiled at start-up so that no
 # timed step compiles.
@@ -66,18 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     calibration.add_argument("--samples", default=None, help="write the timed steps here (JSON)")
 
 
-def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    trace = parser.add_argument_group("trace (a file, or a synthetic Mooncake-format one)")
-    trace.add_argument("--trace", default=None, help="a JSONL trace (workloads.load_trace)")
-    trace.add_argument("--num-requests", type=int, default=200)
-    trace.add_argument("--request-rate", type=float, default=20.0)
-    trace.add_argument("--num-prefixes", type=int, default=20)
-    trace.add_argument("--prefix-blocks", type=int, nargs=2, default=(1, 4))
-    trace.add_argument("--own-blocks", type=int, nargs=2, default=(1, 2))
-    trace.add_argument("--output-length", type=int, nargs=2, default=(16, 128))
-    trace.add_argument("--zipf", type=float, default=1.0)
-    trace.add_argument("--hash-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
-    trace.add_argument("--seed", type=int, default=0)
+def add_trace_source_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=None, help="a JSONL trace (workloads.load_trace)")
+    add_trace_arguments(parser, num_requests=200, request_rate=20.0, num_prefixes=20)
 
 
 def trace_requests(args: argparse.Namespace) -> list[Request]:
@@ -85,17 +76,7 @@ def trace_requests(args: argparse.Namespace) -> list[Request]:
     options = {"hash_block_size": args.hash_block_size, "seed": args.seed}
     if args.trace:
         return load_trace(args.trace, **options)
-    records = synthetic_trace(
-        args.num_requests,
-        num_prefixes=args.num_prefixes,
-        prefix_blocks=tuple(args.prefix_blocks),
-        own_blocks=tuple(args.own_blocks),
-        output_length=tuple(args.output_length),
-        zipf_exponent=args.zipf,
-        request_rate=args.request_rate,
-        hash_block_size=args.hash_block_size,
-        seed=args.seed,
-    )
+    records = trace_from_arguments(args)
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "trace.jsonl"
         write_jsonl(path, records)
@@ -210,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     replay = commands.add_parser("replay", help="a timed trace: engine vs simulator TTFT")
     add_engine_arguments(replay)
     replay.add_argument("--cost-model", default=None, help="default: measure and fit first")
-    add_trace_arguments(replay)
+    add_trace_source_arguments(replay)
     sim = commands.add_parser("simulate", help="the simulator alone on a timed trace")
     sim.add_argument("--cost-model", default=None, help="default: the H200 placeholder")
     settings = sim.add_argument_group("scheduler (default: the engine's on one H200, 0.6B)")
@@ -221,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     settings.add_argument("--prefill-tile", type=int, default=128)
     settings.add_argument("--num-scheduler-steps", type=int, default=1)
     settings.add_argument("--policy", default="lru")
-    add_trace_arguments(sim)
+    add_trace_source_arguments(sim)
     for command in (measure, replay, sim):
         command.add_argument("--json", default=None, help="write the record here")
     args = parser.parse_args(argv)

@@ -83,23 +83,25 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
             file.write(json.dumps(record) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxllm.research.mooncake",
-        description="Write a synthetic trace in Mooncake's JSONL format.",
-    )
-    parser.add_argument("path")
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--num-prefixes", type=int, default=100)
-    parser.add_argument("--prefix-blocks", type=int, nargs=2, default=(1, 4))
-    parser.add_argument("--own-blocks", type=int, nargs=2, default=(1, 2))
-    parser.add_argument("--output-length", type=int, nargs=2, default=(16, 128))
-    parser.add_argument("--zipf", type=float, default=1.0)
-    parser.add_argument("--request-rate", type=float, default=10.0)
-    parser.add_argument("--hash-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    records = synthetic_trace(
+def add_trace_arguments(
+    parser, num_requests: int = 1000, request_rate: float = 10.0, num_prefixes: int = 100
+) -> None:
+    """The command-line arguments of `synthetic_trace` (`trace_from_arguments`)."""
+    trace = parser.add_argument_group("synthetic trace (Mooncake's format)")
+    trace.add_argument("--num-requests", type=int, default=num_requests)
+    trace.add_argument("--request-rate", type=float, default=request_rate)
+    trace.add_argument("--num-prefixes", type=int, default=num_prefixes)
+    trace.add_argument("--prefix-blocks", type=int, nargs=2, default=(1, 4))
+    trace.add_argument("--own-blocks", type=int, nargs=2, default=(1, 2))
+    trace.add_argument("--output-length", type=int, nargs=2, default=(16, 128))
+    trace.add_argument("--zipf", type=float, default=1.0)
+    trace.add_argument("--hash-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    trace.add_argument("--seed", type=int, default=0)
+
+
+def trace_from_arguments(args: argparse.Namespace) -> list[dict]:
+    """The records of `synthetic_trace` for the arguments of `add_trace_arguments`."""
+    return synthetic_trace(
         args.num_requests,
         num_prefixes=args.num_prefixes,
         prefix_blocks=tuple(args.prefix_blocks),
@@ -110,7 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         hash_block_size=args.hash_block_size,
         seed=args.seed,
     )
-    write_jsonl(args.path, records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxllm.research.mooncake",
+        description="Write a synthetic trace in Mooncake's JSONL format.",
+    )
+    parser.add_argument("path")
+    add_trace_arguments(parser)
+    args = parser.parse_args(argv)
+    write_jsonl(args.path, trace_from_arguments(args))
     return 0
 
 
