@@ -117,16 +117,12 @@ class Engine:
                 f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
             )
         bad_words = self._check_processors(params)
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.grammars.compile(params.structured_outputs)
+        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         seqs, stop_strings = [], []
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
             stop_strings.append(StopStrings(self.tokenizer, child) if child.stop else None)
-            processors = None
-            if params.processes_logits:
-                processors = SequenceProcessors(vocab, bad_words)
+            processors = SequenceProcessors(vocab, bad_words) if params.processes_logits else None
             sequence_grammar = None if grammar is None else SequenceGrammar(grammar)
             seq = self.scheduler.new_sequence(
                 prompt_token_ids, child, stop_strings[-1], processors, sequence_grammar
@@ -234,7 +230,7 @@ class Engine:
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
-        seconds = {"wait": 0.0, "masks": 0.0}
+        seconds = {"wait": 0.0, "masks": 0.0, "masks_late": 0}
         try:
             if self.scheduler.needs_host_tokens:
                 outputs += self._apply_in_flight(seconds)
@@ -263,6 +259,7 @@ class Engine:
             kind.dispatch_seconds += dispatch_seconds
             kind.wait_seconds += seconds["wait"]
             kind.masks_seconds += seconds["masks"]
+            kind.masks_late_steps += seconds["masks_late"]
         return outputs
 
     def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
@@ -274,11 +271,12 @@ class Engine:
         seconds["wait"] += waited
         return finished
 
-    def _masks(self, plan: StepPlan, constrained: list, seconds: dict[str, float]) -> np.ndarray:
-        """The token bitmask of `plan`'s constrained rows (`_constrained_rows`), once the step
-        in flight's tokens its sequences keep are fed to their grammars; the scheduler applies
-        those tokens after the sampler is dispatched (`SequenceGrammar.accept` takes each once).
-        """
+    def _masks(
+        self, plan: StepPlan, constrained: list, seconds: dict[str, float], logits
+    ) -> np.ndarray:
+        """`plan`'s token bitmask, once the tokens of the step in flight are fed to the grammars
+        (the scheduler applies them after the sampler is dispatched; `accept` takes each once);
+        a step whose forward pass (`logits`) ended first counts as late."""
         if self._in_flight is not None and self._in_flight[0].bucket.num_steps == 1:
             previous, result = self._in_flight  # NOTE: plans of several steps have no grammars
             wait_start = time.perf_counter()
@@ -291,6 +289,7 @@ class Engine:
         live = [(row, grammar) for row, seq, grammar in constrained if not seq.is_finished]
         bitmask = self.grammars.bitmask(live, plan.bucket.num_sampled)
         seconds["masks"] += time.perf_counter() - start
+        seconds["masks_late"] += logits.is_ready()
         return bitmask
 
     def _constrained_rows(self, plan: StepPlan) -> list[tuple[int, Sequence, SequenceGrammar]]:

@@ -188,7 +188,8 @@ class StepStats:
     `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
     under this step's kind: the first decode step after a prefill waits for that prefill);
     `masks_seconds`, part of the dispatch, into filling structured outputs' token masks while
-    the device runs the forward pass.
+    the device runs the forward pass; `masks_late_steps` counts the steps whose forward pass
+    was done before their masks (the device waited for the host).
     """
 
     tokens: int = 0
@@ -197,6 +198,7 @@ class StepStats:
     dispatch_seconds: float = 0.0
     wait_seconds: float = 0.0
     masks_seconds: float = 0.0
+    masks_late_steps: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -228,4 +230,5 @@ class EngineStats:
             "decode_dispatch_ms_per_step": per_step(decode.dispatch_seconds),
             "decode_wait_ms_per_step": per_step(decode.wait_seconds),
             "decode_masks_ms_per_step": per_step(decode.masks_seconds),
+            "decode_masks_late_steps": decode.masks_late_steps,
         }

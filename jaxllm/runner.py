@@ -303,11 +303,13 @@ class ModelRunner:
             )
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
-    def execute(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None) -> StepResult:
+    def execute(
+        self, plan: StepPlan, masks: Callable[[jax.Array], np.ndarray] | None = None
+    ) -> StepResult:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
         without waiting for them. `masks`, for a one-step plan with constrained rows: called
-        once the forward pass is dispatched (the host's work in it overlaps the device's), it
-        gives the token bitmask of the sampled rows (`structured.Grammars.bitmask`)."""
+        with the forward pass's logits once it is dispatched (the host's work in it overlaps
+        the device's), it gives the token bitmask of the sampled rows."""
         bucket, sampling = plan.bucket, plan.sampling
         vocab = self.config.vocab_size
         mode = sampler_mode(
@@ -327,7 +329,7 @@ class ModelRunner:
             logits = self._run_forward(bucket, arrays, previous_tokens)
             processed = logits
             if masks is not None:
-                processed = self.processors.mask(logits, masks())
+                processed = self.processors.mask(logits, masks(logits))
             if plan.processors is not None:
                 processed, rows = self.processors.apply(processed, plan.processors)
             tokens = last = self._run_sampler(bucket.num_sampled, mode, processed, sampling)

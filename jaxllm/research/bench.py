@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_dispatch_ms_per_step": stats.get("decode_dispatch_ms_per_step"),
         "decode_wait_ms_per_step": stats.get("decode_wait_ms_per_step"),
         "decode_masks_ms_per_step": stats.get("decode_masks_ms_per_step"),
+        "decode_masks_late_steps": stats.get("decode_masks_late_steps"),
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "startup_phases_s": llm.startup_seconds,

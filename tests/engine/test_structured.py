@@ -239,3 +239,11 @@ def test_missing_extra_names_it(text_llm, monkeypatch):
         text_llm.generate("x", params, use_tqdm=False)
     monkeypatch.undo()
     assert text_llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_mask_time_and_late_steps_are_counted(text_llm):
+    before = text_llm.engine.stats.snapshot()
+    sample_all(text_llm, StructuredOutputsParams(regex="[a-z]{8}"))
+    stats = text_llm.engine.stats.since(before)
+    assert stats["decode_masks_ms_per_step"] > 0
+    assert 0 <= stats["decode_masks_late_steps"] <= stats["decode_steps"] > 0
