@@ -226,25 +226,21 @@ def plan_step(
     ends = starts_array + counts_array
     needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
     tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
+    bucket, samples = _bucket_and_samples(
+        ladder, kind, seqs, ends.tolist(), counts, tables.shape[1], num_steps, all_rows
+    )
     if kind == "decode":
-        bucket = ladder.decode_bucket(len(seqs), tables.shape[1], num_steps)
         token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
         counts_array = np.ones_like(counts_array)  # a step's layout: one token each
         ends = starts_array + 1
     else:
-        tile = ladder.prefill_tile
-        num_tiles = -(-counts_array // tile)
-        bucket = ladder.prefill_bucket(int(num_tiles.sum()) * tile, tables.shape[1], all_rows)
         token_ids = np.concatenate(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
     inputs, _ = bucket.padding()
     rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
-    seq_ends = list(zip(seqs, ends.tolist(), strict=True))
-    # NOTE: a decode row always samples, also when its token is still on the device.
-    samples = [kind == "decode" or end == seq.num_tokens for seq, end in seq_ends]
-    steps = [end - seq.num_prompt_tokens for seq, end in seq_ends]
+    steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
     step_slots = None
     if num_steps > 1:
@@ -288,15 +284,31 @@ def plan_outline(
         min(len(seq.block_table), -(-end // block_size))
         for seq, end in zip(seqs, ends, strict=True)
     )
-    if kind == "decode":
-        bucket = ladder.decode_bucket(len(seqs), width, num_steps)
-        samples = [True] * len(seqs)
-    else:
-        tile = ladder.prefill_tile
-        num_tokens = sum(-(-count // tile) for count in counts) * tile
-        bucket = ladder.prefill_bucket(num_tokens, width, all_rows)
-        samples = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
+    bucket, samples = _bucket_and_samples(
+        ladder, kind, seqs, ends, counts, width, num_steps, all_rows
+    )
     return StepPlan(seqs, starts, counts, samples, bucket, None, None)
+
+
+def _bucket_and_samples(
+    ladder: BucketLadder,
+    kind: StepKind,
+    seqs: list[Sequence],
+    ends: list[int],
+    counts: list[int],
+    width: int,
+    num_steps: int,
+    all_rows: bool,
+) -> tuple[Bucket, list[bool]]:
+    """A plan's bucket (tables `width` blocks wide) and whether each row samples its
+    sequence's next token: every decode row (also when its token is still on the device),
+    and a prefill chunk that reaches its sequence's end (`ends`)."""
+    if kind == "decode":
+        return ladder.decode_bucket(len(seqs), width, num_steps), [True] * len(seqs)
+    tile = ladder.prefill_tile
+    num_tokens = sum(-(-count // tile) for count in counts) * tile
+    samples = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
+    return ladder.prefill_bucket(num_tokens, width, all_rows), samples
 
 
 def _step_slots(
