@@ -28,7 +28,7 @@ from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, SequenceGrammar
+from jaxllm.structured import Grammars, SequenceGrammar, grammar_rows
 
 
 @dataclass(eq=False)
@@ -88,6 +88,8 @@ class Engine:
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
         self._by_seq: dict[int, Request] = {}
         self._in_flight: tuple[StepPlan, StepResult] | None = None
+        # The next step's plan, made while a constrained step's forward pass ran (`_masks`).
+        self._next_plan: StepPlan | None = None
         eos = scheduler.config.eos_token_ids
         self.grammars = Grammars(tokenizer, runner.config.vocab_size, eos)
 
@@ -172,7 +174,7 @@ class Engine:
         """Drops every request, the step in flight, the prefix cache and the KV cache (allocated
         anew). What a step left half done cannot be trusted, so the engine goes back to the
         state of a fresh one, which serves new requests alike."""
-        self._in_flight = None
+        self._in_flight = self._next_plan = None
         self._requests.clear()
         self._by_seq.clear()
         self.scheduler.reset()
@@ -216,7 +218,11 @@ class Engine:
         return request_id in self._requests
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or self._next_plan is not None
+        )
 
     def step(self) -> list[RequestOutput]:
         """Plans and dispatches the next step, then applies the previous step's tokens; returns
@@ -224,9 +230,9 @@ class Engine:
 
         Outputs arrive one call after their last step. While the plan needs every sampled token
         on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
-        step's tokens are applied first; a plan with grammars gets its masks while its forward
-        pass runs (`_masks`). A step that raises (a device error, an interrupt it did not hold
-        back) resets the engine first (`reset`).
+        step's tokens are applied first. A plan with grammars gets its masks while its forward
+        pass runs, and the step after it is planned then too (`_masks`). A step that raises (a
+        device error, an interrupt it did not hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -234,14 +240,15 @@ class Engine:
         try:
             if self.scheduler.needs_host_tokens:
                 outputs += self._apply_in_flight(seconds)
-            plan = self.scheduler.schedule()
+            plan, self._next_plan = self._next_plan, None
+            if plan is None:
+                plan = self.scheduler.schedule()
             dispatch_start, waited = time.perf_counter(), seconds["wait"]
             result = None
             if plan is not None:
-                constrained = self._constrained_rows(plan)
                 masks = None
-                if constrained:
-                    masks = functools.partial(self._masks, plan, constrained, seconds)
+                if self.scheduler.num_constrained and any(grammar_rows(plan)):
+                    masks = functools.partial(self._masks, plan, seconds, outputs)
                 result = self.runner.execute(plan, masks)
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
@@ -271,33 +278,20 @@ class Engine:
         seconds["wait"] += waited
         return finished
 
-    def _masks(
-        self, plan: StepPlan, constrained: list, seconds: dict[str, float], logits
-    ) -> np.ndarray:
-        """`plan`'s token bitmask, once the tokens of the step in flight are fed to the grammars
-        (the scheduler applies them after the sampler is dispatched; `accept` takes each once);
-        a step whose forward pass (`logits`) ended first counts as late."""
-        if self._in_flight is not None and self._in_flight[0].bucket.num_steps == 1:
-            previous, result = self._in_flight  # NOTE: plans of several steps have no grammars
-            wait_start = time.perf_counter()
-            tokens = np.asarray(result.tokens).tolist()
-            seconds["wait"] += time.perf_counter() - wait_start
-            for seq, samples, token in zip(previous.seqs, previous.samples, tokens, strict=False):
-                if samples and seq.grammar is not None and not seq.is_finished:
-                    seq.grammar.accept(token, seq.num_output_tokens)
+    def _masks(self, plan: StepPlan, seconds: dict, outputs: list, logits) -> np.ndarray:
+        """`plan`'s token bitmask, filled while its forward pass (`logits`) runs, after the
+        step in flight is applied (its tokens advance the grammars; its finished requests join
+        `outputs`). The next step is planned here too, so that its forward pass is dispatched
+        right after this step's sampler. A step whose forward pass ended before its masks were
+        filled counts as late."""
+        outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
-        live = [(row, grammar) for row, seq, grammar in constrained if not seq.is_finished]
-        bitmask = self.grammars.bitmask(live, plan.bucket.num_sampled)
+        bitmask = self.grammars.bitmask(grammar_rows(plan), plan.bucket.num_sampled)
         seconds["masks"] += time.perf_counter() - start
         seconds["masks_late"] += logits.is_ready()
+        if not self.scheduler.needs_host_tokens:
+            self._next_plan = self.scheduler.schedule()
         return bitmask
-
-    def _constrained_rows(self, plan: StepPlan) -> list[tuple[int, Sequence, SequenceGrammar]]:
-        """(row, sequence, grammar) of each row of `plan` that samples under a grammar."""
-        if not self.scheduler.num_constrained:
-            return []
-        rows = zip(plan.seqs, plan.samples, strict=True)
-        return [(row, seq, seq.grammar) for row, (seq, s) in enumerate(rows) if s and seq.grammar]
 
     def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:
         """Waits for a step's tokens and applies them; returns the outputs of the requests that

@@ -328,10 +328,12 @@ class ModelRunner:
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
             processed = logits
+            keep_raw = plan.logprobs and not self._processed_logprobs  # logprobs read them
             if masks is not None:
-                processed = self.processors.mask(logits, masks(logits))
+                processed = self.processors.mask(logits, masks(logits), donate=not keep_raw)
             if plan.processors is not None:
-                processed, rows = self.processors.apply(processed, plan.processors)
+                donate = processed is not logits or not keep_raw
+                processed, rows = self.processors.apply(processed, plan.processors, donate)
             tokens = last = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
             if plan.processors is not None:
                 self.processors.count(rows, tokens)

@@ -6,10 +6,10 @@ invalid schema, regex or grammar is a ValueError then), and compiled in a backgr
 once per distinct spec; a sequence whose grammar is still compiling waits in the queue while
 the others run (`SequenceGrammar.ready`). The scheduler feeds each sampled token to its
 sequence's matcher and stops the sequence when the grammar admits nothing more. For a step
-with constrained rows, while the device runs the step's forward pass, the engine feeds the
-previous step's tokens to the grammars (ahead of the scheduler, which applies them after the
-sampler is dispatched) and fills the rows' masks (`Grammars.bitmask`, in parallel across rows);
-the device applies them to the logits (`model.logits_processors.apply_bitmask`).
+with constrained rows, while the device runs the step's forward pass, the engine applies the
+previous step's tokens (the grammars advance) and fills the rows' masks (`Grammars.bitmask`, in
+parallel across rows); the device applies them to the logits
+(`model.logits_processors.apply_bitmask`).
 
 llguidance is an optional dependency (`pip install 'jaxllm[structured]'`), imported on first use.
 """
@@ -29,12 +29,11 @@ EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured
 class SequenceGrammar:
     """One sequence's matcher: a copy of its grammar's compiled one, taken once compiled."""
 
-    __slots__ = ("_compiled", "_matcher", "_num_accepted")
+    __slots__ = ("_compiled", "_matcher")
 
     def __init__(self, compiled: concurrent.futures.Future) -> None:
         self._compiled = compiled
         self._matcher = None
-        self._num_accepted = 0
 
     @property
     def ready(self) -> bool:
@@ -47,18 +46,25 @@ class SequenceGrammar:
     def matcher(self):
         return self._matcher
 
-    def accept(self, token: int, index: int) -> None:
-        """Advances the matcher past output token `index`, once: the engine feeds a step's
-        tokens to the grammars before the scheduler applies them. A token the mask did not
-        allow leaves the matcher in an error state, which `is_terminated` reports."""
-        if index == self._num_accepted:
-            self._matcher.consume_token(token)
-            self._num_accepted += 1
+    def accept(self, token: int) -> None:
+        """Advances the matcher past a sampled token. A token the mask did not allow leaves the
+        matcher in an error state, which `is_terminated` reports."""
+        self._matcher.consume_token(token)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar admits no more tokens (it consumed eos, or nothing can follow)."""
         return self._matcher.is_stopped() or self._matcher.is_error()
+
+
+def grammar_rows(plan) -> list[tuple[int, SequenceGrammar]]:
+    """(row, grammar) of each row of a `StepPlan` that samples under a live sequence's grammar."""
+    rows = enumerate(zip(plan.seqs, plan.samples, strict=True))
+    return [
+        (row, seq.grammar)
+        for row, (seq, samples) in rows
+        if samples and seq.grammar and not seq.is_finished
+    ]
 
 
 class Grammars:

@@ -8,6 +8,7 @@
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
+#   bash scripts/device_run.sh ab/old:bench-0.6b profile-host:--json-schema  # .ab/old; arguments
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
@@ -59,9 +60,12 @@ for stage in "$@"; do
       logged "$stage" 45 $ONE_GPU env XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo \
         --xla_dump_hlo_module_re=jit_forward" python3 scripts/decode_step.py --profile
       tar czf "$RECORDS/hlo.tgz" -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt) ;;
-    ab:*)  # ab:<stage>: the stage run on the copy of another commit in .ab/base
-      (cd "$ROOT/.ab/base" && NESTED=1 RECORDS="$RECORDS/base" bash "$ROOT/scripts/device_run.sh" \
-        "${stage#ab:}") ;;
+    ab:* | ab/*)  # ab:<stage>: the stage run on the copy of another commit in .ab/base;
+      # ab/<name>:<stage>: in .ab/<name>
+      name=base rest=${stage#ab:}
+      if [[ $stage == ab/* ]]; then name=${stage%%:*} rest=${stage#*:}; name=${name#ab/}; fi
+      (cd "$ROOT/.ab/$name" && NESTED=1 RECORDS="$RECORDS/$name" bash "$ROOT/scripts/device_run.sh" \
+        "$rest") ;;
     xla:*)  # xla:<flag without --xla_>:<stage>: a stage with one more XLA flag
       IFS=: read -r _ flag rest <<< "$stage"
       NESTED=1 RECORDS="$RECORDS/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" \
@@ -85,6 +89,9 @@ for stage in "$@"; do
       grep -E "^allocation [0-9]+:" "${module%.txt}-buffer-assignment.txt" | cut -c1-150
       ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
+    profile-host:*)  # profile-host:<profile_host.py arguments, comma-separated>
+      args=${stage#profile-host:}
+      logged "profile-host${args//,/}" 80 $ONE_GPU python3 scripts/profile_host.py ${args//,/ } ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \
       --cases 256x1024 256x100-1024 256x100-2048 128x100-2048 64x100-2048 ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;

@@ -1,6 +1,7 @@
 """Where the engine's wall time goes during the benchmark: `python scripts/profile_host.py`.
 
-Runs bench.py's workload (nano-vllm's, 256 sequences) after a warm-up, and either
+Runs bench.py's workload (nano-vllm's, 256 sequences; with `--json-schema` each under its JSON
+schema) after a warm-up, and either
 - profiles the host with cProfile (the default) and prints the functions with the most own time
   and the most cumulative time. Time spent waiting for the device shows under the call that
   reads the sampled tokens (`Engine._update` -> `numpy.asarray`); the rest of
@@ -22,9 +23,9 @@ import time
 import jax
 from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV
-from jaxllm.research.bench import workload
+from jaxllm.research.bench import BENCH_SCHEMA, workload
 
 
 def main() -> None:
@@ -33,12 +34,19 @@ def main() -> None:
     parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--device", action="store_true", help="trace the device, not the host")
+    parser.add_argument(
+        "--json-schema", action="store_true", help="every request under bench.py's JSON schema"
+    )
     args = parser.parse_args()
     if args.attention:
         os.environ[ATTENTION_ENV] = args.attention
     llm = LLM(args.model)
     prompts, max_tokens = workload(args.num_seqs, 1024, 1024)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    schema = StructuredOutputsParams(json=BENCH_SCHEMA) if args.json_schema else None
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured_outputs=schema)
+        for n in max_tokens
+    ]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
     if args.device:
         trace_device(llm, prompts, params)

@@ -146,33 +146,43 @@ class LogitsProcessors:
         self._zeros = jit(functools.partial(ProcessorState.zeros, *self.shape))
         self._write = jit(write_slot, donate_argnums=0)
         self._edit = jit(edit_bias, donate_argnums=0)
-        self._process = jit(lambda logits, state, rows: process(logits, state, rows[0]))
         self._count = jit(
             lambda state, rows, tokens: count_tokens(state, rows[1], tokens[: rows.shape[1]]),
             donate_argnums=0,
         )
-        self._mask = jit(apply_bitmask)
-        self._executables: dict[int, tuple[Any, Any]] = {}  # rows -> (process, count)
-        self._mask_executables: dict[int, Any] = {}  # rows ->
+        # The programs over logits, each twice: keeping the logits, or writing over them.
+        processed = lambda logits, state, rows: process(logits, state, rows[0])
+        self._process = {donate: jit(processed, donate_argnums=(0,) * donate) for donate in (0, 1)}
+        self._mask = {donate: jit(apply_bitmask, donate_argnums=(0,) * donate) for donate in (0, 1)}
+        self._executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) -> process
+        self._count_executables: dict[int, Any] = {}  # rows ->
+        self._mask_executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) ->
 
     def reset(self) -> None:
         self.state = None
 
-    def _compile(self, num_rows: int) -> None:
-        """The programs of `num_rows` sampled rows, and on first use those of `row_sizes`."""
+    def _sizes(self, compiled: dict, num_rows: int, donate: bool) -> set[int]:
+        """The row sizes to compile a program for: `num_rows`, and on the first use of the
+        program (`donate` not among `compiled`'s keys) every size in `row_sizes`."""
+        first = all(key[1] != donate for key in compiled)
+        return {num_rows, *(self._row_sizes if first else ())}
+
+    def _compile(self, num_rows: int, donate: bool) -> None:
         shaped = self._shaped
         state = jax.tree.map(lambda x: shaped(x.shape, x.dtype), jax.eval_shape(self._zeros))
         tokens = shaped((self._num_tokens,), jnp.int32)
-        for size in {num_rows, *(self._row_sizes if not self._executables else ())}:
+        for size in self._sizes(self._executables, num_rows, donate):
             logits, rows = shaped((size, self.shape[1]), jnp.float32), shaped((2, size), jnp.int32)
-            self._executables[size] = (
-                self._process.lower(logits, state, rows).compile(),
-                self._count.lower(state, rows, tokens).compile(),
-            )
+            program = self._process[donate].lower(logits, state, rows)
+            self._executables[size, donate] = program.compile()
+            if size not in self._count_executables:
+                program = self._count.lower(state, rows, tokens)
+                self._count_executables[size] = program.compile()
 
-    def apply(self, logits: jax.Array, plan) -> tuple[jax.Array, Any]:
+    def apply(self, logits: jax.Array, plan, donate: bool = False) -> tuple[jax.Array, Any]:
         """A step's processed logits [S, V], after its slot writes and bias edits (`plan`: a
-        `sched.processors.ProcessorPlan`); returns them and the rows to `count` with."""
+        `sched.processors.ProcessorPlan`), written over `logits` if `donate`; returns them
+        and the rows to `count` with."""
         if self.state is None:
             self.state = self._zeros()
         for write in plan.writes:
@@ -188,28 +198,28 @@ class LogitsProcessors:
             for start in range(0, padded, EDIT_CHUNK):
                 chunk = (a[start : start + EDIT_CHUNK] for a in (slots, tokens, values))
                 self.state = self._edit(self.state, *map(self._on_devices, chunk))
-        num_rows = logits.shape[0]
-        if num_rows not in self._executables:
-            self._compile(num_rows)
+        key = (logits.shape[0], donate)
+        if key not in self._executables:
+            self._compile(*key)
         rows = self._on_devices(plan.rows)
-        return self._executables[num_rows][0](logits, self.state, rows), rows
+        return self._executables[key](logits, self.state, rows), rows
 
-    def mask(self, logits: jax.Array, bitmask: np.ndarray) -> jax.Array:
+    def mask(self, logits: jax.Array, bitmask: np.ndarray, donate: bool = False) -> jax.Array:
         """[S, V] logits with the tokens the [S, ceil(V / 32)] bitmask clears set to -inf
-        (`apply_bitmask`); the first use compiles the program of every size in `row_sizes`."""
-        num_rows = logits.shape[0]
-        if num_rows not in self._mask_executables:
-            for size in {num_rows, *(self._row_sizes if not self._mask_executables else ())}:
-                lowered = self._mask.lower(
+        (`apply_bitmask`), written over `logits` if `donate`."""
+        key = (logits.shape[0], donate)
+        if key not in self._mask_executables:
+            for size in self._sizes(self._mask_executables, *key):
+                lowered = self._mask[donate].lower(
                     self._shaped((size, self.shape[1]), logits.dtype),
                     self._shaped((size, bitmask.shape[1]), jnp.int32),
                 )
-                self._mask_executables[size] = lowered.compile()
-        return self._mask_executables[num_rows](logits, self._on_devices(bitmask))
+                self._mask_executables[size, donate] = lowered.compile()
+        return self._mask_executables[key](logits, self._on_devices(bitmask))
 
     def _shaped(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
 
     def count(self, rows, tokens: jax.Array) -> None:
         """Counts a step's sampled tokens ([max_sampled_rows]) in their rows' slots."""
-        self.state = self._executables[rows.shape[1]][1](self.state, rows, tokens)
+        self.state = self._count_executables[rows.shape[1]](self.state, rows, tokens)

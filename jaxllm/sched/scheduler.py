@@ -214,7 +214,7 @@ class Scheduler:
                 position = seq.num_tokens
                 seq.append_token(token, None if logprobs is None else logprobs[index])
                 if seq.grammar is not None:
-                    seq.grammar.accept(token, seq.num_output_tokens - 1)
+                    seq.grammar.accept(token)
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
                 reason = self._finish_reason(seq, token)

@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+from support.engine import assert_idle
 
 from jaxllm import SamplingParams, StructuredOutputsParams
 from jaxllm.structured import EXTRA_HINT
@@ -114,6 +115,38 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(text_llm):
     )
     assert outputs[1].token_ids == alone.token_ids
     assert outputs[0].text in ("left", "right") and outputs[2].text in ("left", "right")
+
+
+def test_the_step_planned_while_masks_fill_survives_aborts_and_new_requests(text_llm):
+    """A constrained step plans the next one while its forward pass runs; requests aborted
+    or added before that plan runs change nothing for the others."""
+    engine = text_llm.engine
+    free = SamplingParams(temperature=1.0, max_tokens=10, seed=3, ignore_eos=True)
+    (alone,) = text_llm.generate(["A late request"], free, use_tqdm=False)
+    pattern = "[a-z]{12}"
+    regex = SamplingParams(
+        temperature=1.0, max_tokens=20, seed=0,
+        structured_outputs=StructuredOutputsParams(regex=pattern),
+    )  # fmt: skip
+    tokenize = text_llm.tokenizer.encode
+    constrained = engine.new_request(tokenize("Spell:"), regex)
+    doomed = engine.new_request(tokenize("Soon aborted"), free)
+    for request in (constrained, doomed):
+        engine.add(request)
+    finished = []
+    while engine._next_plan is None:
+        assert engine.has_unfinished()
+        finished += engine.step()
+    engine.abort(doomed.request_id)
+    late = engine.new_request(tokenize("A late request"), free)
+    engine.add(late)
+    while engine.has_unfinished():
+        finished += engine.step()
+    by_id = {output.request_id: output.outputs[0] for output in finished}
+    assert by_id.keys() == {constrained.request_id, late.request_id}
+    assert re.fullmatch(pattern, by_id[constrained.request_id].text)
+    assert by_id[late.request_id].token_ids == alone.outputs[0].token_ids
+    assert_idle(text_llm)
 
 
 def test_constrained_completions_survive_preemption():
