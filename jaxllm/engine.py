@@ -28,7 +28,7 @@ from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.sched import Scheduler, Sequence, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, SequenceGrammar, grammar_rows
+from jaxllm.structured import Grammars, grammar_rows
 
 
 @dataclass(eq=False)
@@ -125,7 +125,7 @@ class Engine:
             child = params if params.n == 1 else completion_params(params, index)
             stop_strings.append(StopStrings(self.tokenizer, child) if child.stop else None)
             processors = SequenceProcessors(vocab, bad_words) if params.processes_logits else None
-            sequence_grammar = None if grammar is None else SequenceGrammar(grammar)
+            sequence_grammar = grammar and self.grammars.sequence_grammar(grammar)
             seq = self.scheduler.new_sequence(
                 prompt_token_ids, child, stop_strings[-1], processors, sequence_grammar
             )

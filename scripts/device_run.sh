@@ -9,6 +9,9 @@
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
 #   bash scripts/device_run.sh ab/old:bench-0.6b profile-host:--json-schema  # .ab/old; arguments
+#   bash scripts/device_run.sh timeline:--json-schema,--num-seqs,1  # host and device, step by step
+#   bash scripts/device_run.sh grammar-backends:1,4,8  # llguidance on 1, 4, 8 threads too
+#   bash scripts/device_run.sh replay:--num-requests,1000,--request-rate,20  # the cost model's check
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
@@ -89,6 +92,9 @@ for stage in "$@"; do
       grep -E "^allocation [0-9]+:" "${module%.txt}-buffer-assignment.txt" | cut -c1-150
       ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
+    timeline:*)  # timeline:<step_timeline.py arguments, comma-separated>
+      args=${stage#timeline:}
+      logged "timeline${args//,/}" 90 $ONE_GPU python3 scripts/step_timeline.py ${args//,/ } ;;
     profile-host:*)  # profile-host:<profile_host.py arguments, comma-separated>
       args=${stage#profile-host:}
       logged "profile-host${args//,/}" 80 $ONE_GPU python3 scripts/profile_host.py ${args//,/ } ;;
@@ -97,6 +103,15 @@ for stage in "$@"; do
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
     grammar-backends) logged "$stage" 30 python3 scripts/grammar_backends.py \
       --json "$RECORDS/$stage.json" ;;
+    grammar-backends:*)  # grammar-backends:<llguidance thread counts, comma-separated>
+      threads=${stage#grammar-backends:}
+      logged grammar-threads 60 python3 scripts/grammar_backends.py --steps 100 \
+        --threads ${threads//,/ } --json "$RECORDS/grammar-threads.json" ;;
+    replay:*)  # replay:<calibrate_step_cost.py replay arguments, comma-separated>, 0.6B
+      args=${stage#replay:}
+      logged replay 12 $ONE_GPU python3 scripts/calibrate_step_cost.py replay \
+        --model random:qwen3-0.6b ${args//,/ } --out "$RECORDS/step-cost.json" \
+        --json "$RECORDS/replay.json" ;;
     shared-prefix:*)  # shared prefixes, grouped or interleaved order, prefix cache on or off
       IFS=: read -r _ order cache <<< "$stage"
       flag=$([ "$cache" = off ] && echo --no-prefix-caching)

@@ -3,14 +3,18 @@ on the work a step of the benchmark gives them: the tokenizer set up once, the b
 schema compiled, then each step a mask for every constrained row (filled in parallel) and the
 sampled token fed to each row's matcher. Tokens are drawn uniformly from each row's mask, as
 random weights would. One JSON record; a library that is not installed is reported as such.
+With `--threads`, llguidance also runs on that many threads, with as many compiled copies of the
+schema (`jaxllm.structured.MASK_THREADS`).
 
-    python scripts/grammar_backends.py [--rows 256] [--steps 200] [--json out.json]
+    python scripts/grammar_backends.py [--rows 256] [--steps 200] [--threads 1 4 ...] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,7 +32,8 @@ def allowed_tokens(bitmask: np.ndarray) -> list[np.ndarray]:
     return [np.flatnonzero(row) for row in bits]
 
 
-def run_llguidance(tokenizer, rows: int, steps: int, rng) -> dict:
+def run_llguidance(tokenizer, rows: int, steps: int, rng, threads: int | None = None) -> dict:
+    """With `threads`, rows copy `threads` compiled matchers in turn, as the engine's do."""
     import llguidance
     import llguidance.hf
     import llguidance.numpy
@@ -38,10 +43,12 @@ def run_llguidance(tokenizer, rows: int, steps: int, rng) -> dict:
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
-    compiled = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
-    compile_s = time.perf_counter() - start
-    matchers = [compiled.deep_copy() for _ in range(rows)]
-    executor = llguidance.LLExecutor()
+    compiled = [
+        llguidance.LLMatcher(lltokenizer, grammar, log_level=0) for _ in range(threads or 1)
+    ]
+    compile_s = (time.perf_counter() - start) / len(compiled)
+    matchers = [compiled[row % len(compiled)].deep_copy() for row in range(rows)]
+    executor = llguidance.LLExecutor(threads)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, VOCAB_SIZE)
     fill, accept = [], []
     for _ in range(steps):
@@ -51,8 +58,7 @@ def run_llguidance(tokenizer, rows: int, steps: int, rng) -> dict:
         fill.append(time.perf_counter() - start)
         tokens = [int(rng.choice(allowed)) for allowed in allowed_tokens(bitmask)]
         start = time.perf_counter()
-        for matcher, token in zip(matchers, tokens, strict=True):
-            matcher.consume_token(token)
+        executor.consume_token_par(list(zip(matchers, tokens, strict=True)))
         accept.append(time.perf_counter() - start)
     errors = sum(matcher.is_error() for matcher in matchers)
     return summary(setup_s, compile_s, fill, accept, errors)
@@ -102,11 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--threads", type=int, nargs="*", default=[],
+        help="llguidance's thread counts to time besides its default, as many compiled copies",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tokenizer = qwen3_tokenizer()
-    record = {"rows": args.rows, "steps": args.steps}
-    for name, run in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+    record = {"rows": args.rows, "steps": args.steps, "cpus": len(os.sched_getaffinity(0))}
+    runs = [("llguidance", run_llguidance), ("xgrammar", run_xgrammar)]
+    runs += [
+        (f"llguidance-{n}-threads", functools.partial(run_llguidance, threads=n))
+        for n in args.threads
+    ]
+    for name, run in runs:
         try:
             record[name] = run(tokenizer, args.rows, args.steps, np.random.default_rng(0))
         except ImportError as error:

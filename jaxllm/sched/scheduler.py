@@ -29,6 +29,7 @@ from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import BucketLadder, StepPlan
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
+from jaxllm.structured import accept_tokens
 
 
 class Scheduler:
@@ -57,12 +58,9 @@ class Scheduler:
         self.outlines = outlines
         self.ladder = ladder or BucketLadder.from_config(config)
         self.block_pool = BlockPool(
-            config.num_blocks,
-            config.block_size,
+            config.num_blocks, config.block_size, eviction_policy=eviction_policy, clock=clock,
             enable_prefix_caching=config.enable_prefix_caching,
-            eviction_policy=eviction_policy,
-            clock=clock,
-        )
+        )  # fmt: skip
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # NOTE: sequences a planned step samples the last token of: their K/V is never read
@@ -207,14 +205,14 @@ class Scheduler:
         if plan.all_rows and logprobs is not None:
             plans.keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
+        if self.num_constrained:
+            accept_tokens(plan, tokens)
         for index, (seq, samples, row, count) in enumerate(rows):
             for token in row[:count] if samples else ():
                 if seq.is_finished:
                     break
                 position = seq.num_tokens
                 seq.append_token(token, None if logprobs is None else logprobs[index])
-                if seq.grammar is not None:
-                    seq.grammar.accept(token)
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
                 reason = self._finish_reason(seq, token)
@@ -359,9 +357,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Returns a running sequence to the front of the waiting queue, freeing its blocks; it
         keeps its tokens and block hashes, and prefills again (mostly from the prefix cache)."""
-        self.block_pool.free(seq.block_table, seq.params.extra_args)
-        self.slots.release(seq)
-        seq.block_table = []
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -372,9 +368,7 @@ class Scheduler:
         """Moves a running sequence whose last token is planned to `sampling_last`, its blocks
         freed (the planned step still writes them: any later step runs after it)."""
         self.running.remove(seq)
-        self.block_pool.free(seq.block_table, seq.params.extra_args)
-        self.slots.release(seq)
-        seq.block_table = []
+        self._free(seq)
         seq.status = SequenceStatus.SAMPLING_LAST
         self.sampling_last.append(seq)
 
@@ -386,14 +380,18 @@ class Scheduler:
             SequenceStatus.SAMPLING_LAST: self.sampling_last,
         }[seq.status]
         queue.remove(seq)
-        self.block_pool.free(seq.block_table, seq.params.extra_args)
-        self.slots.release(seq)
-        seq.block_table = []
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
         self.slots.removed(seq)
         self.num_constrained -= seq.grammar is not None
+
+    def _free(self, seq: Sequence) -> None:
+        """Gives the blocks and the processor slot of `seq` back."""
+        self.block_pool.free(seq.block_table, seq.params.extra_args)
+        self.slots.release(seq)
+        seq.block_table = []
 
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""

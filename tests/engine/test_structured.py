@@ -215,7 +215,7 @@ def held_args(grammars, constraint):
     import llguidance
 
     kind, text = constraint.spec
-    return llguidance.LLMatcher, grammars._lltokenizer, llguidance.grammar_from(kind, text)
+    return grammars._matchers, llguidance.grammar_from(kind, text)
 
 
 @pytest.mark.parametrize(

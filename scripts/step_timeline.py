@@ -1,0 +1,131 @@
+"""The engine's decode steps as a timeline, host and device side by side:
+
+    python scripts/step_timeline.py [--json-schema] [--num-seqs 1] [--steps 12]
+
+Runs `--num-seqs` prompts of 512 tokens (each under bench.py's JSON schema with
+`--json-schema`), traces a stretch of decode steps with JAX's profiler and prints, in ms from the
+first traced step's start, what the host did (the engine's calls, annotated here: the engine
+carries no annotations) and which executables the device ran, merged from their kernels; then
+the device's idle time over the stretch and each executable's. The trace stays in `--trace-dir`
+for Perfetto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import tempfile
+
+import jax
+
+from jaxllm import LLM, SamplingParams, StructuredOutputsParams
+from jaxllm.engine import Engine
+from jaxllm.model.logits_processors import LogitsProcessors
+from jaxllm.research.bench import BENCH_SCHEMA, fixed_workload
+from jaxllm.runner import ModelRunner
+from jaxllm.sched import Scheduler
+from jaxllm.structured import Grammars
+
+# Host calls shown, as (class, method, label).
+ANNOTATED = (
+    (Engine, "step", "step"),
+    (Scheduler, "schedule", "schedule"),
+    (ModelRunner, "_run_forward", "dispatch forward"),
+    (Engine, "_update", "wait + update"),
+    (Grammars, "bitmask", "fill masks"),
+    (LogitsProcessors, "mask", "dispatch mask"),
+    (ModelRunner, "_run_sampler", "dispatch sampler"),
+)
+# Kernels closer than this (ns) to the one before, of the same module, make one span.
+MERGE_NS = 20_000
+
+
+def annotate() -> None:
+    for cls, name, label in ANNOTATED:
+        method = getattr(cls, name)
+
+        @functools.wraps(method)
+        def annotated(*args, _method=method, _label=label, **kwargs):
+            with jax.profiler.TraceAnnotation(_label):
+                return _method(*args, **kwargs)
+
+        setattr(cls, name, annotated)
+
+
+def events(trace_dir: str) -> list[tuple[int, int, str, str]]:
+    """(start ns, end ns, "host" or "device", label) of the annotated host calls and of the
+    device's executables (consecutive kernels of one module merged)."""
+    from jax.profiler import ProfileData
+
+    [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    labels = {label for _, _, label in ANNOTATED}
+    host, kernels = [], []
+    for plane in ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for event in line.events:
+                span = (event.start_ns, event.start_ns + event.duration_ns)
+                if plane.name.startswith("/host") and event.name in labels:
+                    host.append((*span, "host", event.name))
+                elif plane.name.startswith("/device:GPU") and "Stream" in line.name:
+                    module = str(dict(event.stats).get("hlo_module", event.name))
+                    kernels.append((*span, "device", module))
+    merged: list[list] = []
+    for start, end, _, module in sorted(kernels):
+        if merged and merged[-1][3] == module and start - merged[-1][1] < MERGE_NS:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end, "device", module])
+    return sorted([*host, *map(tuple, merged)])
+
+
+def report(spans: list[tuple[int, int, str, str]], first_step: int, num_steps: int) -> None:
+    steps = [span for span in spans if span[3] == "step"]
+    begin, end = steps[first_step][0], steps[first_step + num_steps][0]
+    shown = [span for span in spans if begin <= span[0] < end]
+    print(f"{'start ms':>9} {'end ms':>9}  {'side':6} what")
+    for start, stop, side, label in shown:
+        print(f"{(start - begin) / 1e6:9.3f} {(stop - begin) / 1e6:9.3f}  {side:6} {label}")
+    busy, cursor = 0, begin
+    by_module: dict[str, int] = collections.defaultdict(int)
+    for start, stop, side, label in shown:
+        if side != "device":
+            continue
+        by_module[label] += stop - start
+        busy += max(0, min(stop, end) - max(start, cursor))
+        cursor = max(cursor, stop)
+    per_step, idle = (end - begin) / num_steps / 1e6, 1 - busy / (end - begin)
+    print(f"\n{num_steps} steps, {per_step:.3f} ms a step; device idle {idle:.1%}")
+    for module, total in sorted(by_module.items(), key=lambda item: -item[1]):
+        print(f"  {module[:60]:60s} {total / num_steps / 1e6:7.3f} ms a step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=12, help="decode steps shown")
+    parser.add_argument("--json-schema", action="store_true")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None)
+    parser.add_argument("--trace-dir", default=None)
+    args = parser.parse_args()
+    llm = LLM(args.model, num_scheduler_steps=args.num_scheduler_steps)
+    annotate()
+    schema = StructuredOutputsParams(json=BENCH_SCHEMA) if args.json_schema else None
+    prompts, _ = fixed_workload(args.num_seqs, 512, 0)
+    traced = 3 * args.steps  # prefill and ramp first; the stretch shown starts a third in
+    params = SamplingParams(
+        temperature=0.6, ignore_eos=True, max_tokens=traced, structured_outputs=schema
+    )
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    trace_dir = args.trace_dir or tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        llm.generate(prompts, params, use_tqdm=False)
+    spans = events(trace_dir)
+    report(spans, first_step=args.steps, num_steps=args.steps)
+    print(f"trace: {trace_dir}")
+
+
+if __name__ == "__main__":
+    main()
