@@ -120,7 +120,9 @@ def main() -> None:
     )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     trace_dir = args.trace_dir or tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # tracing every Python call would slow the host down
+    with jax.profiler.trace(trace_dir, profiler_options=options):
         llm.generate(prompts, params, use_tqdm=False)
     spans = events(trace_dir)
     report(spans, first_step=args.steps, num_steps=args.steps)
