@@ -388,6 +388,7 @@ class Engine:
         new = sorted(set(tokens).difference(self._token_text))
         size = len(self.tokenizer)
         known = [token for token in new if 0 <= token < size]
-        texts = self.tokenizer.batch_decode([[token] for token in known])
+        # NOTE: transformers < 5.24 decodes an empty batch as one empty sequence.
+        texts = self.tokenizer.batch_decode([[token] for token in known]) if known else []
         self._token_text |= dict.fromkeys(new, "") | dict(zip(known, texts, strict=True))
         return self._token_text

@@ -3,9 +3,9 @@
     # time a spread of step shapes, fit, write the model
     python scripts/calibrate_step_cost.py measure --model random:qwen3-0.6b --out step_cost.json
     # a timed trace through the engine and through the simulator: TTFT of both (fits first
-    # without --cost-model)
+    # without --cost-model, on the phases and on --calibration-requests of another seed)
     python scripts/calibrate_step_cost.py replay --model random:qwen3-0.6b \
-        --cost-model step_cost.json --num-requests 2000 --request-rate 40
+        --calibration-requests 500 --num-requests 1000 --request-rate 20
     # the simulator alone on a trace (no model, no device)
     python scripts/calibrate_step_cost.py simulate --trace trace.jsonl --cost-model step_cost.json
 
@@ -106,11 +106,17 @@ def build_llm(args: argparse.Namespace):
 
 
 def fitted_model(args: argparse.Namespace, model_name: str, llm) -> tuple[StepCostModel, dict]:
-    """Times the calibration phases on the engine, fits the model, writes --out and --samples."""
+    """Times the calibration phases on the engine (and, with --calibration-requests, a trace
+    like the replayed one with the next seed), fits the model, writes --out and --samples."""
     import jax
 
     phase_options = {"decode_steps": args.decode_steps, "repeats": args.repeats}
     samples = calibrate.measure(llm.engine, **phase_options)
+    if getattr(args, "calibration_requests", 0):
+        options = {"num_requests": args.calibration_requests, "seed": args.seed + 1}
+        requests = trace_requests(argparse.Namespace(**vars(args) | options))
+        llm.engine.reset()
+        samples += calibrate.run_timed(llm.engine, requests).samples
     progress(f"calibration: {len(samples)} steps timed")
     device = jax.devices()[0].device_kind
     description = f"fit: {model_name} on {device}, {len(samples)} steps"
@@ -191,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     replay = commands.add_parser("replay", help="a timed trace: engine vs simulator TTFT")
     add_engine_arguments(replay)
     replay.add_argument("--cost-model", default=None, help="default: measure and fit first")
+    replay.add_argument(
+        "--calibration-requests", type=int, default=0,
+        help="fit also on a trace of this many requests like the replayed one (the next seed)",
+    )  # fmt: skip
     add_trace_source_arguments(replay)
     sim = commands.add_parser("simulate", help="the simulator alone on a timed trace")
     sim.add_argument("--cost-model", default=None, help="default: the H200 placeholder")
