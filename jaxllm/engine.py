@@ -210,6 +210,10 @@ class Engine:
             )
 
     def _require_idle(self, what: str) -> None:
+        """Raises RuntimeError while a sequence is live; drops what is left in flight once none
+        is (a step planned before the last sequence stopped: its tokens change nothing)."""
+        if not self.scheduler.has_unfinished():
+            self._in_flight = self._next_plan = None
         if self.has_unfinished():
             raise RuntimeError(f"{what} while requests are running: finish or abort them first")
 
@@ -282,15 +286,15 @@ class Engine:
         """`plan`'s token bitmask, filled while its forward pass (`logits`) runs, after the
         step in flight is applied (its tokens advance the grammars; its finished requests join
         `outputs`). The next step is planned here too, so that its forward pass is dispatched
-        right after this step's sampler. A step whose forward pass ended before its masks were
-        filled counts as late."""
+        right after this step's sampler. A step whose forward pass ended before all this was
+        done counts as late."""
         outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
         bitmask = self.grammars.bitmask(grammar_rows(plan), plan.bucket.num_sampled)
         seconds["masks"] += time.perf_counter() - start
-        seconds["masks_late"] += logits.is_ready()
         if not self.scheduler.needs_host_tokens:
             self._next_plan = self.scheduler.schedule()
+        seconds["masks_late"] += logits.is_ready()
         return bitmask
 
     def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:

@@ -188,8 +188,9 @@ class StepStats:
     `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
     under this step's kind: the first decode step after a prefill waits for that prefill);
     `masks_seconds`, part of the dispatch, into filling structured outputs' token masks while
-    the device runs the forward pass; `masks_late_steps` counts the steps whose forward pass
-    was done before their masks (the device waited for the host).
+    the device runs the forward pass (a constrained step's dispatch also applies the step
+    before it and plans the next, `Engine._masks`); `masks_late_steps` counts the steps whose
+    forward pass was done before that host work (the device waited for the host).
     """
 
     tokens: int = 0

@@ -51,7 +51,8 @@ class Sequence:
         processors: its logits processors' host side (slot, bad words); None when its
             params ask for none.
         grammar: the matcher of its structured output (`jaxllm.structured.SequenceGrammar`:
-            `ready`, `accept(token)`, `is_terminated`); None when it has none.
+            `ready`, `matcher`, `is_terminated`; `structured.accept_tokens` advances it); None
+            when it has none.
         parent: another completion of the same request, whose prompt this one waits to find
             in the prefix cache while it is being prefilled; None for the first.
     """

@@ -11,7 +11,7 @@ import pytest
 from support.engine import BASE_SETTINGS, assert_idle, greedy_params
 from support.hf import save_checkpoint
 
-from jaxllm import LLM
+from jaxllm import LLM, SamplingParams
 from jaxllm.research.bench import count_compilations
 
 NUM_TOKENS = 10
@@ -166,3 +166,23 @@ def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_l
     prompt, params = [[5, 6, 7]], greedy_params()
     expected = other_llm.generate(prompt, params, use_tqdm=False)[0].token_ids
     assert fresh_llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected
+
+
+def test_update_and_sleep_right_after_a_request_stopped_on_a_stop_token(
+    fresh_llm, other_llm, other_checkpoint, greedy_prompts
+):
+    """A sequence that stops on a stop token leaves a step planned past it in flight; once
+    generate returned, update_params and sleep go ahead."""
+    prompt = greedy_prompts[4]
+    stop = fresh_llm.generate(prompt, greedy_params(1), use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=stop)
+    (output,) = fresh_llm.generate(prompt, params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop"
+    assert fresh_llm.engine.has_unfinished()  # the step planned past the stop token
+    fresh_llm.update_params(other_llm.params)
+    (after,) = fresh_llm.generate(prompt, greedy_params(NUM_TOKENS), use_tqdm=False)
+    assert after.outputs[0].token_ids == other_checkpoint.greedy(prompt, NUM_TOKENS)
+    fresh_llm.generate(prompt, params, use_tqdm=False)
+    fresh_llm.sleep()
+    fresh_llm.wake_up()
+    assert_idle(fresh_llm)
