@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_trace_source_arguments(replay)
     sim = commands.add_parser("simulate", help="the simulator alone on a timed trace")
-    sim.add_argument("--cost-model", default=None, help="default: the H200 placeholder")
+    sim.add_argument("--cost-model", default=None, help="default: the H200 0.6B fit")
     settings = sim.add_argument_group("scheduler (default: the engine's on one H200, 0.6B)")
     settings.add_argument("--cache-blocks", type=int, default=3392, help="KV blocks")
     settings.add_argument("--block-size", type=int, default=256)

@@ -182,15 +182,17 @@ def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int | None = No
     return x
 
 
-# NOTE: fitted on one H200 (`calibrate_step_cost.py measure --model random:qwen3-0.6b`, the
-# engine's defaults, 562 steps; mean relative error 3% on prefill steps, 10% on decode steps).
-# A placeholder until a replay checks it: the TTFT of a timed trace has not been compared yet.
+# Fitted on one H200 (`calibrate_step_cost.py replay --model random:qwen3-0.6b
+# --calibration-requests 500 --num-requests 1000 --request-rate 20`, the engine's defaults): the
+# calibration phases and a 500-request trace, 2,203 steps, mean relative error 10%; the replay of
+# another 1,000 requests gave a simulated mean TTFT 0.96 of the engine's
+# (docs/perf-runs/2026-12-02-h200-replay-1000-requests-calibration-trace.json).
 H200_QWEN3_0_6B = StepCostModel(
-    overhead_seconds=1.68e-3,
-    idle_start_seconds=2.28e-3,
-    prefill_token_seconds=2.03e-6,
-    prefill_pair_seconds=3.97e-10,
-    decode_row_seconds=1.84e-6,
-    context_token_seconds=2.43e-8,
-    description="placeholder: fitted on one H200 (random:qwen3-0.6b), not checked by a replay",
+    overhead_seconds=2.01e-3,
+    idle_start_seconds=2.93e-3,
+    prefill_token_seconds=1.91e-6,
+    prefill_pair_seconds=2.45e-10,
+    decode_row_seconds=2.27e-6,
+    context_token_seconds=2.38e-8,
+    description="fitted on one H200 (random:qwen3-0.6b), checked by a replay: mean TTFT 0.96",
 )
