@@ -175,7 +175,9 @@ class BlockPool:
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
         """Grows `block_table` in place to hold `num_tokens` tokens; False (no change) if full."""
-        num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(block_table))
+        if num_tokens <= len(block_table) * self.block_size:
+            return True  # NOTE: most decode steps: the last block has room
+        num_new_blocks = -(-num_tokens // self.block_size) - len(block_table)
         if num_new_blocks > self.num_free_blocks:
             return False
         block_table.extend(self._take_fresh(num_new_blocks))
