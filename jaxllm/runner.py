@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 # compiles this many executables at once on threads (as JetStream's AOT warm-up does).
 COMPILE_THREADS = 8
 
-# NOTE: a free gap below the KV cache for each step's small buffers (packed inputs, tokens): carved
-# above it they move the step's temporaries, and XLA re-records its CUDA graph, 1.5 ms of host
-# time per qwen3-0.6b decode step on an H200 where replaying takes 0.6 (docs/performance.md).
+# NOTE: a free gap below the KV cache for each step's small buffers (packed inputs, tokens, the
+# structured outputs' token bitmask): carved above it they move the step's temporaries, and XLA
+# re-records its CUDA graph, 1.5 ms of host time per qwen3-0.6b decode step on an H200 where
+# replaying takes 0.6 (docs/performance.md). This much, plus a bitmask of every sampled row.
 SMALL_BUFFERS_BYTES = 2 << 20
 
 
@@ -160,7 +161,9 @@ class ModelRunner:
         self.warn_on_compile = False  # set once the whole ladder is compiled
 
     def _allocate_kv_cache(self) -> Any:
-        gap = jax.device_put(np.zeros(SMALL_BUFFERS_BYTES // 4, np.int32), self._replicated)
+        bitmask_words = self.max_sampled_rows * -(-self.config.vocab_size // 32)
+        gap = np.zeros(SMALL_BUFFERS_BYTES // 4 + bitmask_words, np.int32)
+        gap = jax.device_put(gap, self._replicated)
         kv_cache = self._allocate()
         gap.delete()
         return kv_cache
