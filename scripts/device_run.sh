@@ -8,7 +8,8 @@
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh cb-bench:json:--json-schema  # CUDA graph updates in a bench run
-#   bash scripts/device_run.sh xla:gpu_enable_command_buffer=+WHILE:cb-coverage:one:--num-seqs,1,...
+#   bash scripts/device_run.sh xla:gpu_enable_command_buffer=+WHILE:fixed:1:512:512  # one more XLA flag
+#   bash scripts/device_run.sh decode-args:--batch,1,--context,512  # one row's decode step, profiled
 #   bash scripts/device_run.sh ab:bench-0.6b bench-0.6b  # a stage at the code in .ab/base, then here
 #   bash scripts/device_run.sh ab/old:bench-0.6b profile-host:--json-schema  # .ab/old; arguments
 #   bash scripts/device_run.sh timeline:--json-schema,--num-seqs,1  # host and device, step by step
@@ -102,16 +103,9 @@ for stage in "$@"; do
           match($0, /in [0-9]+/); us[a[2] + 0] += substr($0, RSTART + 3, RLENGTH - 3)}
         END {for (c in n) printf "updates of %d commands: %d, %.0f us each\n", c, n[c], us[c] / n[c]}' \
         "$RECORDS/cb-$name.log" | sort -k3n ;;
-    cb-coverage:*)  # cb-coverage:<name>:<bench.py arguments>: what XLA leaves outside CUDA graphs,
-      # compiled afresh (add --no-compile-at-startup and a small workload)
-      IFS=: read -r _ name rest <<< "$stage"
-      $ONE_GPU env TF_CPP_VMODULE=command_buffer_scheduling=3 TF_CPP_MIN_LOG_LEVEL=0 \
-        JAXLLM_COMPILATION_CACHE="/tmp/cb-coverage-$name-$RANDOM" python3 scripts/bench.py \
-        ${rest//,/ } --json "$RECORDS/cb-coverage-$name.json" > "$RECORDS/cb-coverage-$name.log" 2>&1
-      grep -o -E "Command buffer coverage.*|Removed command buffer support for [A-Z_]+" \
-        "$RECORDS/cb-coverage-$name.log" | sort | uniq -c
-      perl -ne 'print "$1 $2 $3 $4\n" if /Not in command buffer: module=(\S+) computation=(\S+) instruction:.*? ([a-z][a-z-]*)\((?:.*custom_call_target="([^"]+)")?/' \
-        "$RECORDS/cb-coverage-$name.log" | sed -E 's/\.[0-9]+ / /g' | sort | uniq -c | sort -rn | head -40 ;;
+    decode-args:*)  # decode-args:<decode_step.py arguments, comma-separated>, profiled
+      args=${stage#decode-args:}
+      logged "decode-step${args//,/}" 45 $ONE_GPU python3 scripts/decode_step.py --profile ${args//,/ } ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     timeline:*)  # timeline:<step_timeline.py arguments, comma-separated>
       args=${stage#timeline:}

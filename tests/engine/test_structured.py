@@ -117,6 +117,38 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(text_llm):
     assert outputs[0].text in ("left", "right") and outputs[2].text in ("left", "right")
 
 
+def test_choices_hold_with_logprobs_and_penalties(text_llm):
+    """The sampler applies the bitmask itself unless logits processors run first; both ways the
+    outputs follow the grammar, and each token's raw logprob is reported."""
+    constraint = StructuredOutputsParams(choice=["north", "south", "east", "west"])
+    for settings in ({"logprobs": 3}, {"repetition_penalty": 1.3, "presence_penalty": 0.5}):
+        for completion in sample_all(text_llm, constraint, max_tokens=16, **settings):
+            assert completion.text in constraint.choice and completion.finish_reason == "stop"
+            if "logprobs" in settings:
+                assert len(completion.logprobs) == len(completion.token_ids)
+                for token, entries in zip(completion.token_ids, completion.logprobs, strict=True):
+                    assert token in entries and entries[token].logprob < 0
+
+
+def test_processed_logprobs_are_of_the_masked_logits():
+    """logprobs_mode="processed_logprobs": the tokens the grammar bans are at -inf, so the top
+    entries past the allowed ones are -inf; the first token starts a choice."""
+    from jaxllm import LLM
+
+    llm = LLM(
+        "random:qwen3-tiny", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+        kvcache_block_size=16, compile_at_startup=False, logprobs_mode="processed_logprobs",
+    )  # fmt: skip
+    choices = ["yes", "no"]
+    constraint = StructuredOutputsParams(choice=choices)
+    for completion in sample_all(llm, constraint, max_tokens=8, logprobs=20):
+        assert completion.text in choices
+        first = completion.logprobs[0]
+        allowed = [entry for entry in first.values() if entry.logprob > float("-inf")]
+        assert 0 < len(allowed) < len(first)
+        assert all(any(c.startswith(e.decoded_token) for c in choices) for e in allowed)
+
+
 def test_the_step_planned_while_masks_fill_survives_aborts_and_new_requests(text_llm):
     """A constrained step plans the next one while its forward pass runs; requests aborted
     or added before that plan runs change nothing for the others."""
