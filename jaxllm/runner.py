@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm import steps
@@ -35,7 +35,7 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched.plan import Bucket, StepPlan
-from jaxllm.steps import StepResult, pack, packed_shape, previous_rows
+from jaxllm.steps import StepResult, pack, previous_rows
 from jaxllm.weights import from_hf_names, is_hf_named, placed_like
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,12 @@ COMPILE_THREADS = 8
 # re-records its CUDA graph, 1.5 ms of host time per qwen3-0.6b decode step on an H200 where
 # replaying takes 0.6 (docs/performance.md). This much, plus a bitmask of every sampled row.
 SMALL_BUFFERS_BYTES = 2 << 20
+
+
+def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """The packed array of `arrays`, as a shape to lower for."""
+    size = sum(np.asarray(array).size for array in arrays)
+    return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding)
 
 
 def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any, Any]:
@@ -100,29 +106,38 @@ class ModelRunner:
         num_processor_slots: int = 1,
         processor_rows: tuple[int, ...] = (),
     ) -> None:
-        self.config, self.params = config, params
+        self.config = config
+        self.params = params
         self._param_shapes = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
         )
-        self.kernels, self.mesh = kernels, mesh
+        self.kernels = kernels
+        self.mesh = mesh
         self.max_sampled_rows = max_sampled_rows
-        self._processed_logprobs, self._processor_rows = processed_logprobs, processor_rows
+        self._processed_logprobs = processed_logprobs
         self._replicated = replicated(mesh)
         forward = sharded_forward(config, mesh, kernels)
-        jit_step = functools.partial(jax.jit, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
-        self._forward = jit_step(
-            functools.partial(steps.forward_step, forward), static_argnames="bucket"
+        self._forward = jax.jit(
+            functools.partial(steps.forward_step, forward),
+            static_argnames="bucket",
+            donate_argnums=1,
+            compiler_options=COMPILER_OPTIONS,
         )
-        self._decode_steps = jit_step(
+        self._decode_steps = jax.jit(
             functools.partial(steps.decode_steps, forward, num_rows=max_sampled_rows),
             static_argnames=("bucket", "mode"),
+            donate_argnums=1,
+            compiler_options=COMPILER_OPTIONS,
         )
-        num_top = min(max_logprobs, config.vocab_size)
         self._logprobs = jax.jit(
-            functools.partial(steps.logprob_step, num_rows=max_sampled_rows, num_top=num_top,
-                              processed=processed_logprobs),
+            functools.partial(
+                steps.logprob_step,
+                num_rows=max_sampled_rows,
+                num_top=min(max_logprobs, config.vocab_size),
+                processed=processed_logprobs,
+            ),
             out_shardings=self._replicated,
-        )  # fmt: skip
+        )
         self._sample = jax.jit(
             functools.partial(steps.sample_step, num_rows=max_sampled_rows),
             static_argnames="mode",
@@ -140,8 +155,8 @@ class ModelRunner:
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
+        # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
-        self._masked_sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
         self.warn_on_compile = False  # set once the whole ladder is compiled
 
@@ -187,7 +202,6 @@ class ModelRunner:
         executables = (
             self._forward_executables,
             self._sample_executables,
-            self._masked_sample_executables,
             self._multi_step_executables,
             self._logprob_executables,
         )
@@ -225,7 +239,7 @@ class ModelRunner:
                 logits = jax.ShapeDtypeStruct(
                     (num_rows, self.config.vocab_size), jnp.float32, sharding=self._replicated
                 )
-                sampling = packed_shape(SamplingInputs.padding(num_rows), self._replicated)
+                sampling = _shapes(SamplingInputs.padding(num_rows), self._replicated)
                 sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
             self._sample_executables |= _compile_all(sampler_programs, bar)
             logprob_programs = {}
@@ -237,22 +251,22 @@ class ModelRunner:
                     (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
                 )
                 like = (np.zeros(num_rows, np.int32), *SamplingInputs.padding(num_rows))
-                packed = packed_shape(like, self._replicated)
+                packed = _shapes(like, self._replicated)
                 logprob_programs[num_rows] = self._logprobs.lower(logits, tokens, packed)
             self._logprob_executables |= _compile_all(logprob_programs, bar)
             # NOTE: the steps are compiled under the partitioner they were lowered for.
             with partitioner_for(self.mesh, self.kernels.custom_calls):
                 forward_programs = {}
                 for bucket in single:
-                    packed = packed_shape(self._step_arrays(bucket), self._replicated)
+                    packed = _shapes(self._step_arrays(bucket), self._replicated)
                     forward_programs[bucket] = self._forward.lower(
                         self.params, self.kv_cache, packed, self._no_tokens, bucket=bucket
                     )
                 self._forward_executables |= _compile_all(forward_programs, bar)
                 multi_programs = {}
                 for bucket, mode in multi:
-                    packed = packed_shape(self._step_arrays(bucket), self._replicated)
-                    sampling = packed_shape(bucket.padding()[1], self._replicated)
+                    packed = _shapes(self._step_arrays(bucket), self._replicated)
+                    sampling = _shapes(bucket.padding()[1], self._replicated)
                     multi_programs[bucket, mode] = self._decode_steps.lower(
                         self.params, self.kv_cache, packed, sampling, self._no_tokens,
                         bucket=bucket, mode=mode,
@@ -286,8 +300,10 @@ class ModelRunner:
             greedy = SamplingInputs.padding(num_rows)
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
         for bucket, mode in self._multi_step_executables:
-            padding = (self._step_arrays(bucket), bucket.padding()[1], self._no_tokens)
-            results.append(self._run_steps(bucket, mode, *padding)[0])
+            arrays = self._step_arrays(bucket)
+            results.append(
+                self._run_steps(bucket, mode, arrays, bucket.padding()[1], self._no_tokens)[0]
+            )
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
     def execute(
@@ -298,7 +314,10 @@ class ModelRunner:
         with the forward pass's logits once it is dispatched (the host's work in it overlaps
         the device's), it gives the token bitmask of the sampled rows."""
         bucket, sampling = plan.bucket, plan.sampling
-        mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature ... min_p
+        vocab = self.config.vocab_size
+        mode = sampler_mode(
+            sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, vocab
+        )
         if not self._has_executables(bucket, mode, plan.logprobs):
             if self.warn_on_compile:
                 logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
@@ -311,21 +330,19 @@ class ModelRunner:
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
         else:
             logits = self._run_forward(bucket, arrays, previous_tokens)
-            out, bitmask = logits, None if masks is None else masks(logits)
+            processed = logits
             keep_raw = plan.logprobs and not self._processed_logprobs  # logprobs read them
-            # NOTE: the sampler applies the bitmask, unless processors or logprobs read its result
-            reads = plan.processors is not None or (plan.logprobs and self._processed_logprobs)
-            if bitmask is not None and reads:
-                out, bitmask = self.processors.mask(logits, bitmask, donate=not keep_raw), None
+            if masks is not None:
+                processed = self.processors.mask(logits, masks(logits), donate=not keep_raw)
             if plan.processors is not None:
-                donate = out is not logits or not keep_raw
-                out, rows = self.processors.apply(out, plan.processors, donate)
-            tokens = last = self._run_sampler(bucket.num_sampled, mode, out, sampling, bitmask)
+                donate = processed is not logits or not keep_raw
+                processed, rows = self.processors.apply(processed, plan.processors, donate)
+            tokens = last = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
             if plan.processors is not None:
                 self.processors.count(rows, tokens)
             if plan.logprobs:
                 packed = self._on_devices(pack((plan.logprob_targets, *sampling)))
-                logits = out if self._processed_logprobs else logits
+                logits = processed if self._processed_logprobs else logits
                 logprobs = self._logprob_executables[bucket.num_sampled](logits, tokens, packed)
         self._previous = (plan, last)
         return StepResult(tokens, logprobs)
@@ -349,9 +366,12 @@ class ModelRunner:
     ) -> tuple[jax.Array, jax.Array]:
         """Dispatches a plan of several decode steps; keeps its updated cache, returns the
         tokens of every step and of the last."""
-        packed, packed_sampling = (self._on_devices(pack(a)) for a in (arrays, sampling))
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
-            self.params, self.kv_cache, packed, packed_sampling, previous_tokens
+            self.params,
+            self.kv_cache,
+            self._on_devices(pack(arrays)),
+            self._on_devices(pack(sampling)),
+            previous_tokens,
         )
         return tokens, last
 
@@ -366,36 +386,10 @@ class ModelRunner:
         return logits
 
     def _run_sampler(
-        self, num_rows: int, mode: str, logits: jax.Array, sampling: SamplingInputs, bitmask=None
+        self, num_rows: int, mode: str, logits: jax.Array, sampling: SamplingInputs
     ) -> jax.Array:
-        """Dispatches the sampler; with a token bitmask, the variant that applies it first (one
-        program per constrained step, not two)."""
         packed = self._on_devices(pack(sampling))
-        if bitmask is None:
-            return self._sample_executables[num_rows, mode](logits, packed)
-        if (num_rows, mode) not in self._masked_sample_executables:
-            self._compile_masked_samplers(num_rows, bitmask.shape[1])
-        return self._masked_sample_executables[num_rows, mode](
-            logits, packed, self._on_devices(bitmask)
-        )
-
-    def _compile_masked_samplers(self, num_rows: int, words: int) -> None:
-        """Compiles the masked sampler for `num_rows` and every size of `processor_rows`, in
-        every sampler mode: the first constrained step pays for all of them."""
-        shaped = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
-        programs = {
-            (rows, mode): self._sample.lower(
-                shaped((rows, self.config.vocab_size), jnp.float32),
-                packed_shape(SamplingInputs.padding(rows), self._replicated),
-                shaped((rows, words), jnp.int32),
-                mode=mode,
-            )
-            for rows in {num_rows, *self._processor_rows}
-            for mode in SAMPLER_MODES
-            if (rows, mode) not in self._masked_sample_executables
-        }
-        self._masked_sample_executables |= _compile_all(programs, tqdm(disable=True))
-        self.num_compiled += len(programs)
+        return self._sample_executables[num_rows, mode](logits, packed)
 
     def _on_devices(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A packed host array (equal in every process) as the executables take it: as it is

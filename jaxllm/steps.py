@@ -16,7 +16,6 @@ import numpy as np
 from jax import lax
 
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
-from jaxllm.model.logits_processors import apply_bitmask
 from jaxllm.model.sampler import processed_logits, sample, token_logprobs
 from jaxllm.sched.plan import Bucket, StepPlan
 
@@ -31,12 +30,6 @@ def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:
             raise ValueError(f"array {index} is {array.dtype}: only 4-byte dtypes are packed")
         parts.append(array.reshape(-1).view(np.int32))
     return np.concatenate(parts)
-
-
-def packed_shape(arrays: Iterable[np.ndarray], sharding) -> jax.ShapeDtypeStruct:
-    """The packed array of `arrays`, as a shape to lower for."""
-    size = sum(np.asarray(array).size for array in arrays)
-    return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding)
 
 
 def unpack(packed: jax.Array, like: Sequence[np.ndarray]) -> list[jax.Array]:
@@ -81,11 +74,8 @@ def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucke
     return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
 
 
-def sample_step(logits, packed, bitmask=None, *, num_rows: int, mode: str):
-    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape; with a
-    token `bitmask` [S, ceil(V / 32)], from the tokens it allows (`apply_bitmask`)."""
-    if bitmask is not None:
-        logits = apply_bitmask(logits, bitmask)
+def sample_step(logits, packed, *, num_rows: int, mode: str):
+    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
     sampling = SamplingInputs(*unpack(packed, SamplingInputs.padding(logits.shape[0])))
     tokens = sample(logits, sampling, mode=mode)
     return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
