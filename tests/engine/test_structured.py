@@ -118,8 +118,8 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(text_llm):
 
 
 def test_choices_hold_with_logprobs_and_penalties(text_llm):
-    """The sampler applies the bitmask itself unless logits processors run first; both ways the
-    outputs follow the grammar, and each token's raw logprob is reported."""
+    """With logprobs (read from the raw logits) or penalties (applied after the mask), the
+    outputs follow the grammar, and each token's logprob is reported."""
     constraint = StructuredOutputsParams(choice=["north", "south", "east", "west"])
     for settings in ({"logprobs": 3}, {"repetition_penalty": 1.3, "presence_penalty": 0.5}):
         for completion in sample_all(text_llm, constraint, max_tokens=16, **settings):
