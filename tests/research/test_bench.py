@@ -48,3 +48,22 @@ def test_bench_refuses_lengths_below_the_workloads_minimum(flag, capsys):
         main([flag, "32"])
     assert exit_info.value.code == 2
     assert f"{flag} must be at least 100" in capsys.readouterr().err
+
+
+def test_bench_repeat_records_the_median_run(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--fixed-lengths", "16", "8", "--repeat", "3", "--no-compile-at-startup"]
+    assert main([*argv, "--json", str(path)]) == 0
+
+    record = json.loads(path.read_text())
+    runs = record["runs_tok_s"]
+    assert len(runs) == 3 and record["throughput_tok_s"] == sorted(runs)[1]
+    assert capsys.readouterr().out.count("Total: 8tok") == 3
+    assert record["output_tokens"] == 8 and record["num_seqs"] == 1
+
+
+def test_bench_repeat_needs_fixed_lengths(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--repeat", "2"])
+    assert exit_info.value.code == 2
+    assert "--repeat" in capsys.readouterr().err
