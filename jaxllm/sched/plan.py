@@ -238,7 +238,10 @@ def plan_step(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
     inputs, _ = bucket.padding()
-    rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
+    if kind == "decode":
+        rows = _fill_decode(inputs, tables, starts_array, block_size)  # [n]
+    else:
+        rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
     steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
@@ -325,6 +328,21 @@ def _step_slots(
         step < counts[None, :], blocks * block_size + positions % block_size, -1
     )
     return slots
+
+
+def _fill_decode(
+    inputs: ModelInputs, tables: np.ndarray, starts: np.ndarray, block_size: int
+) -> np.ndarray:
+    """`_fill_tiles` for tiles of one token, one per sequence (a decode step): row i is
+    sequence i's token, at position starts[i]; returns the rows, [n]."""
+    rows = np.arange(len(starts))
+    block_ids = tables[rows, starts // block_size]
+    inputs.positions[rows] = starts
+    inputs.slot_mapping[rows] = block_ids * block_size + starts % block_size
+    inputs.block_tables[rows, : tables.shape[1]] = tables
+    inputs.context_lens[rows] = starts + 1
+    inputs.sample_indices[rows] = rows
+    return rows
 
 
 def _fill_tiles(

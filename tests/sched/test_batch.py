@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.sched import Harness, assert_plan_contract, make_config, make_scheduler, make_seq
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder
+from jaxllm.sched.plan import _fill_decode, _fill_tiles
 
 
 def test_ladder_rungs_and_buckets():
@@ -203,3 +206,31 @@ def test_multi_step_rows_past_their_steps_attend_within_their_table():
     assert multi.step_slots[:, 0].tolist()[2:] == [-1, -1]
     harness.run()
     assert seq.output_token_ids and seq.finish_reason == "length"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_seqs=st.integers(1, 6),
+    width=st.integers(1, 5),
+    data=st.data(),
+)
+def test_decode_layout_is_the_tile_layout_of_one_token_tiles(block_size, num_seqs, width, data):
+    """A decode step's layout (`_fill_decode`) equals the general one (`_fill_tiles`) for
+    tiles of one token, one per sequence, in a padded bucket."""
+    tables = np.array(
+        data.draw(st.lists(st.lists(st.integers(0, 99), min_size=width, max_size=width),
+                           min_size=num_seqs, max_size=num_seqs)),
+        np.int32,
+    )  # fmt: skip
+    starts = np.array(
+        data.draw(st.lists(st.integers(0, width * block_size - 1), min_size=num_seqs,
+                           max_size=num_seqs)),
+    )  # fmt: skip
+    bucket = Bucket("decode", num_seqs + 2, num_seqs + 2, num_seqs + 2, width + 1)
+    fast, general = bucket.padding()[0], bucket.padding()[0]
+    rows = _fill_decode(fast, tables, starts, block_size)
+    expected = _fill_tiles(general, tables, starts, np.ones_like(starts), block_size)
+    assert rows.tolist() == expected.tolist()
+    for name, array in fast._asdict().items():
+        assert array.tolist() == getattr(general, name).tolist(), name
