@@ -6,6 +6,7 @@ padded arrays) and `Scheduler.update()`.
 Scenarios (block size 256, prefill tile 128, budget 16,384 tokens, prefix caching on):
 - decode-256: one decode step of 256 running requests with ~1,000 tokens of context each;
   also `update()` of that step (one token per request), which the engine pays as well;
+- decode-1: the same for one request (one stream);
 - prefill-1x16384: admission and layout of one 16,384-token prompt (64 blocks hashed);
 - prefill-16x1024: 16 prompts of 1,024 tokens in one step;
 - prefill-16x1024-shared: the same, after a batch sharing each prompt's first 768 tokens
@@ -64,14 +65,14 @@ def timed(setup: Callable[[], Callable[[], object]], iterations: int) -> list[fl
     return samples
 
 
-def bench_decode(iterations: int) -> dict[str, list[float]]:
+def bench_decode(iterations: int, num_seqs: int = 256) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
     scheduler = Scheduler(make_config(4096, 4096))
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2048, ignore_eos=True)
-    for _ in range(256):
+    for _ in range(num_seqs):
         add(scheduler, rng.integers(0, 150_000, int(rng.integers(900, 1100))), params)
     run_all_prefills(scheduler)
-    tokens = np.ones(256, np.int32)
+    tokens = np.ones(num_seqs, np.int32)
     schedule, update = [], []
     for _ in range(iterations):  # whole decode steps, each planned and updated
         start = time.perf_counter()
@@ -80,8 +81,8 @@ def bench_decode(iterations: int) -> dict[str, list[float]]:
         scheduler.update(plan, tokens)
         schedule.append((planned - start) * 1e6)
         update.append((time.perf_counter() - planned) * 1e6)
-    assert plan.num_seqs == 256 and not plan.is_prefill
-    return {"decode-256 schedule": schedule, "decode-256 update": update}
+    assert plan.num_seqs == num_seqs and not plan.is_prefill
+    return {f"decode-{num_seqs} schedule": schedule, f"decode-{num_seqs} update": update}
 
 
 def bench_prefill(
@@ -113,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=300)
     args = parser.parse_args()
-    results = bench_decode(args.iterations)
+    results = bench_decode(args.iterations) | bench_decode(args.iterations, num_seqs=1)
     results |= bench_prefill("prefill-1x16384", 16384, 1, args.iterations)
     results |= bench_prefill("prefill-16x1024", 1024, 16, args.iterations)
     results |= bench_prefill("prefill-16x1024-shared", 1024, 16, args.iterations, shared=True)
