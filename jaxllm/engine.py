@@ -282,19 +282,19 @@ class Engine:
         seconds["wait"] += waited
         return finished
 
-    def _masks(self, plan: StepPlan, seconds: dict, outputs: list, logits) -> np.ndarray:
-        """`plan`'s token bitmask, filled while its forward pass (`logits`) runs, after the
-        step in flight is applied (its tokens advance the grammars; its finished requests join
-        `outputs`). The next step is planned here too, so that its forward pass is dispatched
-        right after this step's sampler. A step whose forward pass ended before all this was
-        done counts as late."""
+    def _masks(self, plan: StepPlan, seconds: dict, outputs: list, forward) -> np.ndarray:
+        """`plan`'s token bitmask, filled while its forward pass (`forward`: the future of its
+        logits) is dispatched and runs, after the step in flight is applied (its tokens advance
+        the grammars; its finished requests join `outputs`). The next step is planned here too,
+        so that its forward pass is dispatched right after this step's sampler. A step whose
+        forward pass ended before all this was done counts as late."""
         outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
         bitmask = self.grammars.bitmask(grammar_rows(plan), plan.bucket.num_sampled)
         seconds["masks"] += time.perf_counter() - start
         if not self.scheduler.needs_host_tokens:
             self._next_plan = self.scheduler.schedule()
-        seconds["masks_late"] += logits.is_ready()
+        seconds["masks_late"] += forward.done() and forward.result().is_ready()
         return bitmask
 
     def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:

@@ -63,6 +63,16 @@ def previous_rows(plan: StepPlan, previous: StepPlan | None) -> np.ndarray:
     return rows
 
 
+def padding_step(bucket: Bucket) -> tuple[np.ndarray, ...]:
+    """A step of padding alone, as the bucket's executable takes it (before packing): the
+    model's inputs, `previous_rows` (-1: none), and for several steps each one's slots."""
+    inputs, _ = bucket.padding()
+    rows = np.full(bucket.num_tokens, -1, np.int32)
+    if bucket.num_steps == 1:
+        return (*inputs, rows)
+    return (*inputs, rows, np.full((bucket.num_steps, bucket.num_tokens), -1, np.int32))
+
+
 def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
     """The model step; `packed` holds its inputs, then `previous_rows`: a row naming a row of
     the previous step's sampled tokens takes that token as its token id."""

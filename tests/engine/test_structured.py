@@ -7,6 +7,7 @@ import concurrent.futures
 import importlib
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -312,3 +313,31 @@ def test_mask_time_and_late_steps_are_counted(text_llm):
     stats = text_llm.engine.stats.since(before)
     assert stats["decode_masks_ms_per_step"] > 0
     assert 0 <= stats["decode_masks_late_steps"] <= stats["decode_steps"] > 0
+
+
+def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeypatch):
+    """The forward pass runs on a thread of its own while the masks fill; when filling them
+    fails, the step waits for it (it replaces the KV cache) before the engine resets, and the
+    LLM keeps working."""
+    runner, grammars = text_llm.engine.runner, text_llm.engine.grammars
+    run_forward, finished = runner._run_forward, []
+
+    def slow_forward(*args):
+        time.sleep(0.3)
+        logits = run_forward(*args)
+        finished.append(True)
+        return logits
+
+    def failing_bitmask(rows, num_rows):
+        raise RuntimeError("mask filling failed")
+
+    monkeypatch.setattr(runner, "_run_forward", slow_forward)
+    monkeypatch.setattr(grammars, "bitmask", failing_bitmask)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(RuntimeError, match="mask filling failed"):
+        text_llm.generate("x", params, use_tqdm=False)
+    assert finished  # before the error reached the caller
+    monkeypatch.undo()
+    [output] = text_llm.generate("x", params, use_tqdm=False)
+    assert re.fullmatch("a+", output.outputs[0].text)
+    assert_idle(text_llm)
