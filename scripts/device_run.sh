@@ -6,6 +6,7 @@
 #   bash scripts/device_run.sh bench:qwen3-0.6b:1:64 bench:qwen3-8b:2:256:flash  # block size, attention
 #   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
+#   bash scripts/device_run.sh startup  # cold and warm start-up: imports, phases, compilations
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh cb-bench:json:--json-schema  # CUDA graph updates in a bench run
 #   bash scripts/device_run.sh xla:gpu_enable_command_buffer=+WHILE:fixed:1:512:512  # one more XLA flag
@@ -76,6 +77,8 @@ for stage in "$@"; do
       IFS=: read -r _ flag rest <<< "$stage"
       NESTED=1 RECORDS="$RECORDS/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" \
         bash "$0" "$rest" ;;
+    startup) logged "$stage" 60 $ONE_GPU python3 scripts/startup_profile.py \
+      --json "$RECORDS/$stage.json" ;;
     forward-call) logged "$stage" 12 $ONE_GPU python3 "$ROOT/scripts/forward_call_time.py" --generate ;;
     cb-updates)  # which buffers make XLA update the command buffers (CUDA graphs) in generate
       rm -rf /tmp/cbdump
