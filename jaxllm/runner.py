@@ -57,19 +57,6 @@ def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeD
     return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding)
 
 
-def _compile_all(programs: dict[Any, jax.stages.Lowered], bar: tqdm) -> dict[Any, Any]:
-    """Compiles lowered programs (or loads them from the persistent cache), `COMPILE_THREADS`
-    at a time; ticks `bar` as each is done."""
-    compiled = {}
-    workers = max(1, min(COMPILE_THREADS, len(programs), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(program.compile): key for key, program in programs.items()}
-        for future in concurrent.futures.as_completed(futures):
-            compiled[futures[future]] = future.result()
-            bar.update(1)
-    return compiled
-
-
 class ModelRunner:
     """Owns the params, the KV cache and the compiled executables.
 
@@ -216,62 +203,56 @@ class ModelRunner:
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
         model's, the sampler's in each of `sampler_modes` and (with `logprobs`) the logprobs',
-        or for a bucket of several decode steps, one of model and sampler per sampler mode."""
+        or for a bucket of several decode steps, one of model and sampler per sampler mode;
+        `COMPILE_THREADS` at a time."""
         buckets, sampler_modes = list(buckets), tuple(sampler_modes)
         single = [bucket for bucket in buckets if bucket.num_steps == 1]
-        samplers = sorted(
-            {(bucket.num_sampled, mode) for bucket in single for mode in sampler_modes}
-            - set(self._sample_executables)
-        )
-        logprob_rows = sorted({bucket.num_sampled for bucket in single} if logprobs else ())
-        logprob_rows = [rows for rows in logprob_rows if rows not in self._logprob_executables]
-        single = [bucket for bucket in single if bucket not in self._forward_executables]
-        multi = [
-            (bucket, mode)
-            for bucket in buckets
-            for mode in sampler_modes
-            if bucket.num_steps > 1 and (bucket, mode) not in self._multi_step_executables
-        ]
-        total = len(single) + len(samplers) + len(multi) + len(logprob_rows)
-        with tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar:
-            sampler_programs = {}
-            for num_rows, mode in samplers:
-                logits = jax.ShapeDtypeStruct(
-                    (num_rows, self.config.vocab_size), jnp.float32, sharding=self._replicated
-                )
-                sampling = _shapes(SamplingInputs.padding(num_rows), self._replicated)
-                sampler_programs[num_rows, mode] = self._sample.lower(logits, sampling, mode=mode)
-            self._sample_executables |= _compile_all(sampler_programs, bar)
-            logprob_programs = {}
-            for num_rows in logprob_rows:
-                logits = jax.ShapeDtypeStruct(
-                    (num_rows, self.config.vocab_size), jnp.float32, sharding=self._replicated
-                )
-                tokens = jax.ShapeDtypeStruct(
-                    (self.max_sampled_rows,), jnp.int32, sharding=self._replicated
-                )
-                like = (np.zeros(num_rows, np.int32), *SamplingInputs.padding(num_rows))
-                packed = _shapes(like, self._replicated)
-                logprob_programs[num_rows] = self._logprobs.lower(logits, tokens, packed)
-            self._logprob_executables |= _compile_all(logprob_programs, bar)
-            # NOTE: the steps are compiled under the partitioner they were lowered for.
-            with partitioner_for(self.mesh, self.kernels.custom_calls):
-                forward_programs = {}
-                for bucket in single:
-                    packed = _shapes(padding_step(bucket), self._replicated)
-                    forward_programs[bucket] = self._forward.lower(
-                        self.params, self.kv_cache, packed, self._no_tokens, bucket=bucket
-                    )
-                self._forward_executables |= _compile_all(forward_programs, bar)
-                multi_programs = {}
-                for bucket, mode in multi:
-                    packed = _shapes(padding_step(bucket), self._replicated)
-                    sampling = _shapes(bucket.padding()[1], self._replicated)
-                    multi_programs[bucket, mode] = self._decode_steps.lower(
-                        self.params, self.kv_cache, packed, sampling, self._no_tokens,
-                        bucket=bucket, mode=mode,
-                    )  # fmt: skip
-                self._multi_step_executables |= _compile_all(multi_programs, bar)
+        rows = sorted({bucket.num_sampled for bucket in single})
+        packed = functools.partial(_shapes, sharding=self._replicated)
+        shape = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
+        logits = {n: shape((n, self.config.vocab_size), jnp.float32) for n in rows}
+        params, cache, no_tokens = self.params, self.kv_cache, self._no_tokens
+        # (executables, key, lowering): the model's first, as their compiles take the longest
+        programs = [
+            (self._forward_executables, bucket, functools.partial(
+                self._forward.lower, params, cache, packed(padding_step(bucket)), no_tokens,
+                bucket=bucket,
+            ))
+            for bucket in single
+        ] + [
+            (self._multi_step_executables, (bucket, mode), functools.partial(
+                self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
+                packed(bucket.padding()[1]), no_tokens, bucket=bucket, mode=mode,
+            ))
+            for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
+        ] + [
+            (self._logprob_executables, n, functools.partial(
+                self._logprobs.lower, logits[n],
+                shape((self.max_sampled_rows,), jnp.int32),
+                packed((np.zeros(n, np.int32), *SamplingInputs.padding(n))),
+            ))
+            for n in (rows if logprobs else ())
+        ] + [
+            (self._sample_executables, (n, mode), functools.partial(
+                self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
+            ))
+            for n in rows for mode in sampler_modes
+        ]  # fmt: skip
+        programs = [program for program in programs if program[1] not in program[0]]
+        total = len(programs)
+        workers = max(1, min(COMPILE_THREADS, total, os.cpu_count() or 1))
+        # NOTE: each program is lowered here while those before it compile on the threads,
+        # under the partitioner the steps need (`partitioner_for`).
+        with (
+            tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar,
+            partitioner_for(self.mesh, self.kernels.custom_calls),
+            concurrent.futures.ThreadPoolExecutor(workers) as pool,
+        ):
+            futures = {pool.submit(lower().compile): (table, key) for table, key, lower in programs}
+            for future in concurrent.futures.as_completed(futures):
+                table, key = futures[future]
+                table[key] = future.result()
+                bar.update(1)
         self.num_compiled += total
 
     def warm_up(self) -> None:
