@@ -8,6 +8,7 @@ compilation cache, and run each once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -25,10 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.model.attention import Kernels
-from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_params
+from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_config, load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_specs
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh, partitioner_for
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
@@ -138,23 +139,13 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     seconds: dict[str, float] = {}
     phase = functools.partial(timed_phase, seconds)
     path = resolve_model(model)
+    dtype = config.dtype or platform.dtype
+    model_config = load_config(path, dtype)
+    config = resolve_defaults(config, model_config, platform)
     # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
     mesh = make_mesh(config.tensor_parallel_size)
-    with phase("load weights"):
-        dtype = config.dtype or platform.dtype
-        model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
-    config = resolve_defaults(config, model_config, platform)
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
-    is_random = path.startswith(RANDOM_PREFIX)
-    with phase("load the tokenizer"):
-        tokenizer = load_tokenizer(None if is_random else path)
-    # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
-    # embedded default.
-    if is_random:
-        eos = (tokenizer.eos_token_id, tokenizer.pad_token_id)
-    else:
-        eos = eos_token_ids(tokenizer, path)
     tile = platform.prefill_tile
     settings = SchedulerConfig(
         num_blocks=1,  # settled below, once the ladder tells the largest step
@@ -165,15 +156,37 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         prefill_tile=tile,
         enable_prefix_caching=config.enable_prefix_caching,
         num_scheduler_steps=config.num_scheduler_steps,
-        eos_token_ids=tuple(int(t) for t in eos if t is not None),
     )
     # NOTE: FA3 reads only each sequence's context, so its tables are padded to the widest
     # (fewer executables, the same work); the portable attention gathers whole tables.
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
-    with phase("size the KV cache"):
-        num_blocks = config.num_kvcache_blocks or fit_num_blocks(
-            config, model_config, params, ladder, mesh, kernels, platform
-        )
+    largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scratch = None
+        if platform.gpu and not config.num_kvcache_blocks:
+            # NOTE: compiled while the weights and the tokenizer load (seconds, cold).
+            scratch = pool.submit(
+                step_scratch_bytes, model_config, mesh, largest, block_size, kernels
+            )
+        with phase("load weights"):
+            model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
+        is_random = path.startswith(RANDOM_PREFIX)
+        with phase("load the tokenizer"):
+            tokenizer = load_tokenizer(None if is_random else path)
+        with phase("size the KV cache"):
+            scratch = scratch and scratch.result()
+            num_blocks = config.num_kvcache_blocks or fit_num_blocks(
+                config, model_config, scratch, largest, platform
+            )
+    # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
+    # embedded default.
+    if is_random:
+        eos = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        eos = eos_token_ids(tokenizer, path)
+    settings = dataclasses.replace(
+        settings, eos_token_ids=tuple(int(t) for t in eos if t is not None)
+    )
     if num_blocks * block_size < config.max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
@@ -219,14 +232,12 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
 def fit_num_blocks(
     config: EngineConfig,
     model_config: Qwen3Config,
-    params: Params,
-    ladder: BucketLadder,
-    mesh: jax.sharding.Mesh,
-    kernels: Kernels,
+    scratch: int | None,
+    largest: Bucket,
     platform: Platform,
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device beside the params and the scratch
-    memory of the largest step (measured by compiling it over a one-block cache); on a CPU, the
+    """KV blocks that fit in `memory_fraction` of the device beside the params and `scratch`,
+    the memory of the `largest` step (`step_scratch_bytes`; None: an estimate); on a CPU, the
     blocks of max_num_seqs max_model_len requests within `CPU_KV_CACHE_BYTES`."""
     block_size = config.kvcache_block_size
     per_block = kv_cache_bytes_per_block(
@@ -238,8 +249,6 @@ def fit_num_blocks(
         return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0) * config.memory_fraction
-    largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
-    scratch = step_scratch_bytes(model_config, params, largest, block_size, mesh, kernels)
     if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
         c = model_config
         scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
@@ -251,12 +260,7 @@ def fit_num_blocks(
 
 
 def step_scratch_bytes(
-    config: Qwen3Config,
-    params: Params,
-    bucket: Bucket,
-    block_size: int,
-    mesh: Mesh,
-    kernels: Kernels,
+    config: Qwen3Config, mesh: Mesh, bucket: Bucket, block_size: int, kernels: Kernels
 ) -> int | None:
     """Device memory one step of `bucket` needs beside the params and the KV cache (per device).
 
@@ -274,7 +278,7 @@ def step_scratch_bytes(
     cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
     inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
     with partitioner_for(mesh, kernels.custom_calls):
-        compiled = forward.lower(params, cache, inputs).compile()
+        compiled = forward.lower(sharded_param_shapes(config, mesh), cache, inputs).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes
 from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
-from jaxllm.model.qwen3 import Params, abstract_params, init_params, param_shardings
+from jaxllm.model.qwen3 import Params, init_params, sharded_param_shapes
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
 CONFIG_FILE = "jaxllm_config.json"
@@ -196,11 +196,7 @@ def load_orbax_checkpoint(
     saved = _saved_config(path)
     manifest_file = path / MANIFEST_FILE
     manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
-    target = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        abstract_params(saved),
-        param_shardings(saved, mesh or make_mesh(1)),
-    )
+    target = sharded_param_shapes(saved, mesh or make_mesh(1))
     if manifest is not None:
         _verify(path, manifest, target, checksum=False)
     # NOTE: read in the saved dtype, so that the checksums are of the saved bytes.
@@ -280,25 +276,41 @@ def load_params(
         CheckpointError: a directory that is not a checkpoint or does not match its config.
     """
     mesh = mesh or make_mesh(1)
+    config = load_config(path_or_preset, dtype)
     if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
-        name = path_or_preset.removeprefix(RANDOM_PREFIX)
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-        config = PRESETS[name].replace(dtype=dtype or PRESETS[name].dtype)
         check_params_fit(config, mesh)
         return config, init_params(config, seed, mesh)
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
-        saved = _saved_config(path)
         # NOTE: read in the saved dtype, then cast: the wider of the two bounds the memory.
-        wanted = saved.replace(dtype=dtype or saved.dtype)
-        check_params_fit(max(saved, wanted, key=lambda c: c.jnp_dtype.itemsize), mesh)
+        saved = _saved_config(path)
+        check_params_fit(max(saved, config, key=lambda c: c.jnp_dtype.itemsize), mesh)
         return load_orbax_checkpoint(path, dtype, mesh)
-    if (path / "config.json").exists():
-        config = Qwen3Config.from_hf(path)
-        check_params_fit(config.replace(dtype=dtype or config.dtype), mesh)
-        return load_hf_checkpoint(path, dtype, mesh=mesh)
-    raise CheckpointError(
-        f"{path} is neither a Hugging Face checkpoint (config.json), an orbax checkpoint "
-        f"({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: {', '.join(PRESETS)})"
-    )
+    check_params_fit(config, mesh)
+    return load_hf_checkpoint(path, dtype, mesh=mesh)
+
+
+def load_config(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Config:
+    """The config `load_params` returns (its dtype `dtype`, default the checkpoint's), read
+    without any weight.
+
+    Raises:
+        ValueError: an unknown preset or unsupported model.
+        CheckpointError: a directory that is not a checkpoint.
+    """
+    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
+        name = path_or_preset.removeprefix(RANDOM_PREFIX)
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        config = PRESETS[name]
+    elif (Path(path_or_preset) / CONFIG_FILE).exists():
+        config = _saved_config(Path(path_or_preset))
+    elif (Path(path_or_preset) / "config.json").exists():
+        config = Qwen3Config.from_hf(Path(path_or_preset))
+    else:
+        raise CheckpointError(
+            f"{path_or_preset} is neither a Hugging Face checkpoint (config.json), an orbax "
+            f"checkpoint ({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: "
+            f"{', '.join(PRESETS)})"
+        )
+    return config.replace(dtype=dtype or config.dtype)

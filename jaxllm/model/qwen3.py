@@ -194,6 +194,15 @@ def abstract_params(config: Qwen3Config) -> Params:
     return nn.meta.unbox(_boxed_shapes(config))
 
 
+def sharded_param_shapes(config: Qwen3Config, mesh: Mesh) -> Params:
+    """The param tree as `jax.ShapeDtypeStruct`s sharded over `mesh`; allocates nothing."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract_params(config),
+        param_shardings(config, mesh),
+    )
+
+
 def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:
     """Random params (normal(0.02) weights, unit norms) made on the device(s).
 

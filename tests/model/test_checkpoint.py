@@ -205,7 +205,7 @@ def test_cpu_devices_share_the_host_memory(monkeypatch):
 def test_params_that_do_not_fit_are_refused_before_they_are_made(saved, monkeypatch):
     path, _, _ = saved
     monkeypatch.setattr(checkpoint, "available_memory_bytes", lambda device: 1000)
-    for maker in ("init_params", "abstract_params", "load_hf_checkpoint"):
+    for maker in ("init_params", "sharded_param_shapes", "load_hf_checkpoint"):
         monkeypatch.setattr(checkpoint, maker, lambda *_, **__: pytest.fail("allocated"))
 
     tiny_gb = param_bytes(PRESETS["qwen3-tiny"]) / 1e9
