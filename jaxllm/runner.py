@@ -29,7 +29,7 @@ from jaxllm import steps
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
-from jaxllm.model.kv_cache import kv_cache_allocator
+from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
@@ -137,7 +137,9 @@ class ModelRunner:
             num_processor_slots, config.vocab_size, self._replicated, self._on_devices,
             processor_rows, max_sampled_rows,
         )  # fmt: skip
-        self._allocate = kv_cache_allocator(config, num_blocks, block_size, mesh=mesh)
+        self._allocate = jax.jit(
+            functools.partial(allocate_kv_cache, config, num_blocks, block_size, mesh=mesh)
+        )
         self.kv_cache = self._allocate_kv_cache()
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}

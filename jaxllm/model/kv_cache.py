@@ -13,7 +13,6 @@ Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,19 +74,8 @@ def allocate_kv_cache(
     mesh: Mesh | None = None,
 ) -> KVCache:
     """A zeroed cache (dtype: the config's) on the default device, or sharded over `mesh` on
-    the kv heads, each device allocating only its own share."""
-    return kv_cache_allocator(config, num_blocks, block_size, dtype, mesh)()
-
-
-def kv_cache_allocator(
-    config: Qwen3Config,
-    num_blocks: int,
-    block_size: int,
-    dtype: jnp.dtype | str | None = None,
-    mesh: Mesh | None = None,
-) -> Callable[[], KVCache]:
-    """What `allocate_kv_cache` calls: a program that allocates the cache, compiled on its first
-    call (so a cache allocated again compiles nothing)."""
+    the kv heads, each device allocating only its own share. Under `jax.jit` (as the runner
+    keeps it) a cache allocated again compiles nothing."""
     if block_size < 8 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     if num_blocks < 1:
@@ -95,14 +83,14 @@ def kv_cache_allocator(
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     zeros = functools.partial(jnp.zeros, shape, dtype or config.jnp_dtype)
     if mesh is None:
-        return jax.jit(lambda: KVCache(zeros(), zeros()))
+        return jax.jit(lambda: KVCache(zeros(), zeros()))()
     if config.num_kv_heads % tensor_parallel_size(mesh):
         raise ValueError(
             f"num_kv_heads ({config.num_kv_heads}) is not divisible by the mesh's "
             f"tensor_parallel_size ({tensor_parallel_size(mesh)})"
         )
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs())
-    return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)
+    return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
 
 
 def write_kv(
