@@ -159,7 +159,7 @@ class StepPlan:
             prefill chunk that stops short of the sequence's end.
         inputs: the model's inputs (numpy, the bucket's shape). The token of a decode row
             whose value the previous step is still sampling is 0 here: the runner takes it
-            from that step's output on the device. None in an outline (`plan_outline`).
+            from that step's output on the device. None in an outline.
         sampling: the sampler's inputs, one row per sequence (padding rows are greedy); None
             in an outline.
         step_slots: [K, T] the KV slot of each row at each step of a decode plan of K > 1
@@ -215,16 +215,24 @@ def plan_step(
     num_steps: int = 1,
     all_rows: bool = False,
     new_slots: frozenset[int] | None = None,
+    outline: bool = False,
 ) -> StepPlan:
     """The plan of a step computing tokens `starts[i]` .. `starts[i] + counts[i] - 1` of
     `seqs[i]`, its arrays padded to the smallest bucket. A decode plan computes one token per
     sequence in each of its `num_steps` steps, `counts[i]` <= `num_steps` of them its own.
     `new_slots`: the ids of sequences whose logits processors' slot is written in this step;
-    None when no sequence holds a slot (no row to look at)."""
+    None when no sequence holds a slot (no row to look at). An `outline` has no arrays: the
+    sequences, their counts, which rows sample and the bucket, for a simulator."""
     starts_array = np.array(starts, dtype=np.int64)  # [n]
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
     needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
+    if outline:
+        width = max(min(len(seq.block_table), k) for seq, k in zip(seqs, needed, strict=True))
+        bucket, samples = _bucket_and_samples(
+            ladder, kind, seqs, ends.tolist(), counts, width, num_steps, all_rows
+        )
+        return StepPlan(seqs, starts, counts, samples, bucket, None, None)
     tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
     bucket, samples = _bucket_and_samples(
         ladder, kind, seqs, ends.tolist(), counts, tables.shape[1], num_steps, all_rows
@@ -268,29 +276,6 @@ def plan_step(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
         processors,
     )  # fmt: skip
-
-
-def plan_outline(
-    ladder: BucketLadder,
-    block_size: int,
-    kind: StepKind,
-    seqs: list[Sequence],
-    starts: list[int],
-    counts: list[int],
-    num_steps: int = 1,
-    all_rows: bool = False,
-) -> StepPlan:
-    """What `plan_step` plans, without the device's arrays: the sequences, their counts, which
-    rows sample and the bucket; for a simulator, which never runs a plan."""
-    ends = [start + count for start, count in zip(starts, counts, strict=True)]
-    width = max(
-        min(len(seq.block_table), -(-end // block_size))
-        for seq, end in zip(seqs, ends, strict=True)
-    )
-    bucket, samples = _bucket_and_samples(
-        ladder, kind, seqs, ends, counts, width, num_steps, all_rows
-    )
-    return StepPlan(seqs, starts, counts, samples, bucket, None, None)
 
 
 def _bucket_and_samples(

@@ -42,7 +42,7 @@ class Scheduler:
         ladder: the step shapes; default `BucketLadder` of `config` (a width per power of two).
         eviction_policy: the block pool's (see `jaxllm.cache.eviction`).
         clock: the time the policy sees (`BlockPool`); the simulator gives its own.
-        outlines: plans without the device's arrays (`plan_outline`), for the simulator.
+        outlines: plans without the device's arrays (`plan_step`'s outlines), for the simulator.
     """
 
     def __init__(
@@ -165,11 +165,7 @@ class Scheduler:
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
         shape = (self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps)
         new_slots = self.slots.take_new() if self.slots.num_held else None
-        plan = (
-            plans.plan_outline(*shape, all_rows)
-            if self.outlines
-            else plans.plan_step(*shape, all_rows, new_slots)
-        )
+        plan = plans.plan_step(*shape, all_rows, new_slots, outline=self.outlines)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
