@@ -157,6 +157,17 @@ def test_directory_that_is_no_checkpoint(tmp_path):
         LLM(str(tmp_path), **BASE_SETTINGS)
 
 
+def test_max_model_len_beyond_the_model_is_refused_before_any_weight_is_read(
+    checkpoint, monkeypatch
+):
+    from jaxllm.model import checkpoint as checkpoints
+
+    read = lambda *_, **__: pytest.fail("the weights were read")
+    monkeypatch.setattr(checkpoints, "load_hf_checkpoint", read)
+    with pytest.raises(ValueError, match="more than the model's max_position_embeddings"):
+        LLM(str(checkpoint.path), **(BASE_SETTINGS | {"max_model_len": 10**6}))
+
+
 def test_bad_engine_arguments(checkpoint):
     path = str(checkpoint.path)
     with pytest.raises(TypeError, match="unknown arguments: max_num_sequences"):
