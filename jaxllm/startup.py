@@ -164,7 +164,9 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         scratch = None
         if platform.gpu and not config.num_kvcache_blocks:
-            # NOTE: compiled while the weights and the tokenizer load (seconds, cold).
+            # NOTE: compiled while the weights and the tokenizer load (seconds, cold). Under TP
+            # with custom kernels it switches the process to GSPMD meanwhile: the weights are
+            # placed by their shardings alone, the same under either partitioner.
             scratch = pool.submit(
                 step_scratch_bytes, model_config, mesh, largest, block_size, kernels
             )
