@@ -1,9 +1,10 @@
 """Start-up: from a model name and the settings to a serving `Engine`.
 
-`start_engine` runs the phases in order, each timed (`Engine.startup_seconds`): load the weights
-and the tokenizer, size the KV cache from the free device memory, allocate it, and (unless left
-to the first steps) compile the ladder's executables, or load them from the persistent
-compilation cache, and run each once.
+`start_engine` reads the model's config and settles the settings, then runs the phases in order,
+each timed (`Engine.startup_seconds`): load the weights and the tokenizer (while the largest step
+compiles for the KV cache's size), size the KV cache from the free device memory, allocate it,
+and (unless left to the first steps) compile the ladder's executables, or load them from the
+persistent compilation cache, and run each once.
 """
 
 from __future__ import annotations
