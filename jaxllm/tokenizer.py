@@ -79,19 +79,24 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
 
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:
     """The embedded Qwen3 tokenizer (151,669 tokens), built once and then read from the cache."""
-    from tokenizers import Tokenizer
-
     cached = cache_dir() / "tokenizer.json"
-    tokenizer = None
     if cached.is_file():
         with contextlib.suppress(Exception):  # a corrupt or foreign file: rebuild it
-            tokenizer = Tokenizer.from_file(str(cached))
-    if tokenizer is None or tokenizer.get_vocab_size() != NUM_BPE_TOKENS + len(ADDED_TOKENS):
-        tokenizer = _build_tokenizer()
-        _save_atomically(tokenizer, cached)
+            # NOTE: from the file, not a `tokenizer_object`, which transformers deep-copies.
+            tokenizer = _wrapped(tokenizer_file=str(cached))
+            if len(tokenizer) == NUM_BPE_TOKENS + len(ADDED_TOKENS):
+                return tokenizer
+    built = _build_tokenizer()
+    _save_atomically(built, cached)
+    return _wrapped(tokenizer_object=built)
+
+
+def _wrapped(**source) -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer with Qwen3's special tokens and chat template around a
+    `tokenizers` BPE (`tokenizer_file` or `tokenizer_object`)."""
     special = [content for content, is_special in ADDED_TOKENS if is_special]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        **source,
         bos_token=None,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

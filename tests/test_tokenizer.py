@@ -154,14 +154,30 @@ def test_incomplete_character_held_back_then_flushed(tokenizer):
     assert detokenizer.text == tokenizer.decode(ids[:2])
 
 
-def test_cache_is_written_and_reused(cache, monkeypatch):
+def test_cache_is_written_and_reused(tokenizer, cache, monkeypatch):
     monkeypatch.setenv(tokenizer_module.CACHE_ENV_VAR, str(cache))
     cached = cache / "tokenizer.json"
     assert cached.is_file()
     monkeypatch.setattr(tokenizer_module, "_build_tokenizer", pytest.fail)
-    assert load_tokenizer(None).encode("Hello world") == [9707, 1879]
+    reused = load_tokenizer(None)
+    assert reused.encode("Hello world") == [9707, 1879]
+    text = MULTI_BYTE_TEXT + "<|im_start|><think></think><|endoftext|>"
+    assert reused.encode(text) == tokenizer.encode(text)
+    assert reused.all_special_ids == tokenizer.all_special_ids
+    messages = [{"role": "user", "content": MULTI_BYTE_TEXT}]
+    assert reused.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
     merges = json.loads(cached.read_text())["model"]["merges"]
     assert len(merges) == 151_643 - 256
+
+
+def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv(tokenizer_module.CACHE_ENV_VAR, str(tmp_path))
+    cached = tmp_path / "tokenizer.json"
+    cached.write_text("{not json")
+    assert load_tokenizer(None).encode("Hello world") == [9707, 1879]
+    assert len(json.loads(cached.read_text())["model"]["merges"]) == 151_643 - 256
 
 
 def test_model_dir_without_tokenizer_files_uses_embedded(cache, tmp_path, monkeypatch):
