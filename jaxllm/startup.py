@@ -163,12 +163,12 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        scratch = None
+        measured = None  # the future of the largest step's scratch bytes
         if platform.gpu and not config.num_kvcache_blocks:
             # NOTE: compiled while the weights and the tokenizer load (seconds, cold). Under TP
             # with custom kernels it switches the process to GSPMD meanwhile: the weights are
             # placed by their shardings alone, the same under either partitioner.
-            scratch = pool.submit(
+            measured = pool.submit(
                 step_scratch_bytes, model_config, mesh, largest, block_size, kernels
             )
         with phase("load weights"):
@@ -177,7 +177,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         with phase("load the tokenizer"):
             tokenizer = load_tokenizer(None if is_random else path)
         with phase("size the KV cache"):
-            scratch = scratch and scratch.result()
+            scratch = measured.result() if measured else None
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
                 config, model_config, scratch, largest, platform
             )
