@@ -133,7 +133,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits, and multiplies the negative ones, of
             the tokens in the prompt or the output (1: off). Range (0, inf).
         logit_bias: {token id: bias} added to those logits before the penalties.
-        allowed_token_ids: only these tokens may be sampled.
+        allowed_token_ids: only these tokens may be sampled; where none of them fits
+            `structured_outputs`, the grammar's tokens may be.
         bad_words: words never generated: the last token of each word (and of the word after
             a space) is banned whenever the output ends with the tokens before it.
         structured_outputs: a JSON schema, regex, choice or grammar the output follows

@@ -11,6 +11,8 @@ vLLM's order and formulas, on float32 logits, in `process`:
    a negative one multiplied by it;
 3. frequency penalty f and presence penalty p over the output: logit -= f * count + p * (count
    > 0).
+A row left with no token to sample (its bans and its grammar's mask exclude every one) keeps the
+logits it came with.
 
 Structured outputs' token masks are applied here too (`apply_bitmask`), before the rest.
 
@@ -95,7 +97,10 @@ def process(logits: jax.Array, state: ProcessorState, rows: jax.Array) -> jax.Ar
     # NOTE: a banned token stays banned whatever the penalties (-inf * a penalty that rounds
     # to 0 in float32 would be NaN).
     processed = jnp.where(bias == -jnp.inf, -jnp.inf, processed)
-    return jnp.where(rows[:, None] >= 0, processed, logits)
+    # A row whose bans leave nothing to sample (allowed tokens the grammar's mask excludes)
+    # samples from the logits it came with: the grammar wins.
+    emptied = jnp.all(processed == -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where((rows[:, None] >= 0) & ~emptied, processed, logits)
 
 
 def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ an output valid, so every output at temperature 1 over many seeds must satisfy i
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import importlib
 import json
 import re
@@ -129,6 +130,17 @@ def test_choices_hold_with_logprobs_and_penalties(text_llm):
                 assert len(completion.logprobs) == len(completion.token_ids)
                 for token, entries in zip(completion.token_ids, completion.logprobs, strict=True):
                     assert token in entries and entries[token].logprob < 0
+
+
+def test_allowed_tokens_narrow_the_grammar_and_never_empty_it(text_llm):
+    """allowed_token_ids narrow a grammar's tokens; where none of them fits the grammar (the
+    end of text after "yes", or no choice at all), the grammar's tokens are sampled."""
+    choices = ["yes", "no", "maybe"]
+    constraint = StructuredOutputsParams(choice=choices)
+    encode = functools.partial(text_llm.tokenizer.encode, add_special_tokens=False)
+    for allowed, expected in ((encode("yes"), {"yes"}), (encode(" zebra"), set(choices))):
+        completions = sample_all(text_llm, constraint, max_tokens=8, allowed_token_ids=allowed)
+        assert all(c.finish_reason == "stop" and c.text in expected for c in completions)
 
 
 def test_processed_logprobs_are_of_the_masked_logits():

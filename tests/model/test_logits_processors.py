@@ -137,6 +137,8 @@ def test_process_equals_vllm_formulas(data, vocab, num_slots):
             np.testing.assert_array_equal(processed[row], logits[row])
             continue
         expected = reference(logits[row], **slots[slot])
+        if np.isneginf(expected).all():  # nothing left to sample: the logits it came with
+            expected = logits[row]
         np.testing.assert_array_equal(np.isneginf(processed[row]), np.isneginf(expected))
         finite = np.isfinite(expected)
         np.testing.assert_allclose(processed[row][finite], expected[finite], rtol=1e-6, atol=1e-4)
