@@ -30,6 +30,10 @@ ATTENTION_BACKENDS = ("auto", "reference", "flash", "pallas")
 # 128; on a CPU tiles of 16 pad short prompts less (the portable attention gathers per tile).
 GPU_PREFILL_TILE, CPU_PREFILL_TILE = 128, 16
 GPU_DECODE_STEPS = 8
+# NOTE: on an H200, steps of 64 rows or more run faster on cuBLAS's GEMMs than on XLA's Triton
+# ones and compile in a fraction of the time (no autotuning); steps of fewer rows run faster on
+# XLA's own (docs/performance.md).
+CUBLAS_FROM_ROWS = 64
 # NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
 CPU_KV_CACHE_BYTES = 2 << 30
 CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL = "random:qwen3-tiny", "random:qwen3-0.6b"
@@ -112,7 +116,7 @@ class Platform:
         return GPU_PREFILL_TILE if self.gpu else CPU_PREFILL_TILE
 
     def kernels(self, block_size: int, kv_heads_per_device: int) -> Kernels:
-        """The attention kernels for this cache layout.
+        """The attention kernels for this cache layout, and where cuBLAS takes the matmuls.
 
         "auto": on an NVIDIA GPU jaxllm's Pallas decode kernel (measured fastest end to end on
         an H200) where it has a tile for the layout, else FA3 where it runs, with FA3 prefill
@@ -128,7 +132,12 @@ class Platform:
         prefill = backend
         if backend == "pallas":
             prefill = "flash" if self.flash_attention else "reference"
-        return Kernels(prefill=prefill, decode=backend, interpret=not self.nvidia)
+        return Kernels(
+            prefill=prefill,
+            decode=backend,
+            interpret=not self.nvidia,
+            cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
+        )
 
     @property
     def default_model(self) -> str:

@@ -214,30 +214,32 @@ class ModelRunner:
         shape = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
         logits = {n: shape((n, self.config.vocab_size), jnp.float32) for n in rows}
         params, cache, no_tokens = self.params, self.kv_cache, self._no_tokens
-        # (executables, key, lowering): the model's first, as their compiles take the longest
+        options = self.kernels.compiler_options
+        # (executables, key, lowering, compiler options): the model's first, as their compiles
+        # take the longest
         programs = [
             (self._forward_executables, bucket, functools.partial(
                 self._forward.lower, params, cache, packed(padding_step(bucket)), no_tokens,
                 bucket=bucket,
-            ))
+            ), options(bucket.num_tokens))
             for bucket in single
         ] + [
             (self._multi_step_executables, (bucket, mode), functools.partial(
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
                 packed(bucket.padding()[1]), no_tokens, bucket=bucket, mode=mode,
-            ))
+            ), options(bucket.num_tokens))
             for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
         ] + [
             (self._logprob_executables, n, functools.partial(
                 self._logprobs.lower, logits[n],
                 shape((self.max_sampled_rows,), jnp.int32),
                 packed((np.zeros(n, np.int32), *SamplingInputs.padding(n))),
-            ))
+            ), {})
             for n in (rows if logprobs else ())
         ] + [
             (self._sample_executables, (n, mode), functools.partial(
                 self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
-            ))
+            ), {})
             for n in rows for mode in sampler_modes
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
@@ -250,7 +252,10 @@ class ModelRunner:
             partitioner_for(self.mesh, self.kernels.custom_calls),
             concurrent.futures.ThreadPoolExecutor(workers) as pool,
         ):
-            futures = {pool.submit(lower().compile): (table, key) for table, key, lower in programs}
+            futures = {
+                pool.submit(lower().compile, compiler_options): (table, key)
+                for table, key, lower, compiler_options in programs
+            }
             for future in concurrent.futures.as_completed(futures):
                 table, key = futures[future]
                 table[key] = future.result()

@@ -281,7 +281,8 @@ def step_scratch_bytes(
     cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
     inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
     with partitioner_for(mesh, kernels.custom_calls):
-        compiled = forward.lower(sharded_param_shapes(config, mesh), cache, inputs).compile()
+        lowered = forward.lower(sharded_param_shapes(config, mesh), cache, inputs)
+        compiled = lowered.compile(kernels.compiler_options(bucket.num_tokens))
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None

@@ -7,12 +7,13 @@ import pytest
 
 from jaxllm.model.attention import Kernels
 from jaxllm.model.decode_attention import tile_rows
-from jaxllm.platform import ATTENTION_ENV, Platform
+from jaxllm.platform import ATTENTION_ENV, CUBLAS_FROM_ROWS, Platform
 
 CPU = Platform("cpu", "cpu")
 H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
 H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
 ROCM = Platform("gpu", "AMD Instinct MI300X")
+NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS}  # what every NVIDIA GPU's kernels carry
 
 
 def test_kernel_tiles():
@@ -27,11 +28,16 @@ def test_kernel_tiles():
     [
         (CPU, 256, 8, Kernels("reference", "reference", interpret=True)),
         (ROCM, 256, 8, Kernels("reference", "reference", interpret=True)),
-        (H200_WITHOUT_FA3, 256, 8, Kernels("reference", "pallas")),
-        (H200, 256, 8, Kernels("flash", "pallas")),
-        (H200, 256, 1, Kernels("flash", "pallas")),  # 64 tokens x 1 kv head
-        (H200, 8, 1, Kernels("flash", "flash")),  # 8 tokens x 1 kv head: no tile for the kernel
-        (H200_WITHOUT_FA3, 8, 1, Kernels("reference", "reference")),
+        (H200_WITHOUT_FA3, 256, 8, Kernels("reference", "pallas", **NVIDIA)),
+        (H200, 256, 8, Kernels("flash", "pallas", **NVIDIA)),
+        (H200, 256, 1, Kernels("flash", "pallas", **NVIDIA)),  # 64 tokens x 1 kv head
+        (
+            H200,
+            8,
+            1,
+            Kernels("flash", "flash", **NVIDIA),
+        ),  # 8 tokens x 1 kv head: no tile for the kernel
+        (H200_WITHOUT_FA3, 8, 1, Kernels("reference", "reference", **NVIDIA)),
     ],
 )
 def test_auto_picks_the_pallas_kernel_on_nvidia_gpus_where_it_has_a_tile(
@@ -44,10 +50,18 @@ def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu():
     assert CPU.replace(attention_backend="pallas").kernels(256, 8) == Kernels(
         "reference", "pallas", interpret=True
     )
-    assert H200.replace(attention_backend="reference").kernels(256, 8) == Kernels()
+    assert H200.replace(attention_backend="reference").kernels(256, 8) == Kernels(**NVIDIA)
     assert H200_WITHOUT_FA3.replace(attention_backend="flash").kernels(256, 8) == Kernels(
-        "flash", "flash"
+        "flash", "flash", **NVIDIA
     )
+
+
+def test_cublas_takes_the_matmuls_of_large_steps_on_nvidia_gpus_only():
+    kernels = H200.kernels(256, 8)
+    assert kernels.compiler_options(CUBLAS_FROM_ROWS) == {"xla_gpu_enable_triton_gemm": False}
+    assert kernels.compiler_options(CUBLAS_FROM_ROWS - 1) == {}  # XLA's own GEMMs and GEMVs
+    for platform in (CPU, ROCM):
+        assert platform.kernels(256, 8).compiler_options(1 << 14) == {}
 
 
 def test_the_environment_names_the_backend(monkeypatch):

@@ -38,16 +38,25 @@ class Kernels:
         decode: "reference", "flash", or "pallas": jaxllm's Pallas (Triton) paged-decode kernel,
             and the q/k norms, rotary embedding and cache write as one more (`qkv_kernel.py`).
         interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
+        cublas_from_rows: steps of this many rows or more run their matmuls on cuBLAS, not on
+            XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
     """
 
     prefill: str = "reference"
     decode: str = "reference"
     interpret: bool = False
+    cublas_from_rows: int | None = None
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):
             if (name := getattr(self, kind)) not in names:
                 raise ValueError(f"{kind} kernel must be one of {names}, not {name!r}")
+
+    def compiler_options(self, num_rows: int) -> dict[str, bool]:
+        """XLA options of a step of `num_rows` rows (tokens)."""
+        if self.cublas_from_rows is not None and num_rows >= self.cublas_from_rows:
+            return {"xla_gpu_enable_triton_gemm": False}
+        return {}
 
     @property
     def custom_calls(self) -> bool:
