@@ -29,6 +29,9 @@ StepKind = Literal["prefill", "decode"]
 # NOTE: decode plans of several steps pay off where the host's time per step exceeds the
 # device's, in small batches; each batch size of them is one more executable per sampler mode.
 MULTI_STEP_MAX_SEQS = 32
+# NOTE: multi-step decode buckets hold at least this many rows: on an H200 a 0.6B model's matmuls
+# of 8 rows (GEMMs) run faster than those of 1 - 4 (XLA's GEMV fusions; docs/performance.md).
+MULTI_STEP_MIN_ROWS = 8
 
 
 class Bucket(NamedTuple):
@@ -102,14 +105,24 @@ class BucketLadder:
         """The largest decode batch that runs `num_steps` steps per plan (0: none)."""
         return 0 if self.num_steps == 1 else min(MULTI_STEP_MAX_SEQS, self.decode_sizes[-1])
 
+    @property
+    def multi_step_sizes(self) -> tuple[int, ...]:
+        """The batch sizes of the multi-step decode buckets: the decode sizes up to
+        `multi_step_max_seqs`, at least `MULTI_STEP_MIN_ROWS` (or all of them)."""
+        largest = self.multi_step_max_seqs
+        smallest = min(MULTI_STEP_MIN_ROWS, largest)
+        return tuple(n for n in self.decode_sizes if smallest <= n <= largest)
+
     def decode_bucket(self, num_seqs: int, num_blocks: int, num_steps: int = 1) -> Bucket:
-        """The smallest decode bucket holding `num_seqs` rows with tables of `num_blocks`."""
-        size = _round_up(self.decode_sizes, num_seqs, "decode batch size")
-        width = _round_up(self.widths, num_blocks, "block-table width")
+        """The smallest decode bucket of `num_steps` steps holding `num_seqs` rows with tables
+        of `num_blocks`."""
         if num_steps not in (1, self.num_steps) or (
-            num_steps > 1 and size > self.multi_step_max_seqs
+            num_steps > 1 and num_seqs > self.multi_step_max_seqs
         ):
             raise ValueError(f"no decode bucket of {num_steps} steps for {num_seqs} sequences")
+        sizes = self.decode_sizes if num_steps == 1 else self.multi_step_sizes
+        size = _round_up(sizes, num_seqs, "decode batch size")
+        width = _round_up(self.widths, num_blocks, "block-table width")
         return Bucket("decode", size, size, size, width, num_steps)
 
     @property
@@ -138,9 +151,10 @@ class BucketLadder:
     def buckets(self) -> list[Bucket]:
         """Every shape a step can have: what the engine compiles at start-up."""
         decode = [self.decode_bucket(size, w) for size in self.decode_sizes for w in self.widths]
-        multi = [size for size in self.decode_sizes if size <= self.multi_step_max_seqs]
         decode += [
-            self.decode_bucket(size, w, self.num_steps) for size in multi for w in self.widths
+            self.decode_bucket(size, w, self.num_steps)
+            for size in self.multi_step_sizes
+            for w in self.widths
         ]
         prefill = [self.prefill_bucket(size, w) for size in self.prefill_sizes for w in self.widths]
         return decode + prefill

@@ -148,8 +148,9 @@ def test_step_work_of_a_plan_of_several_decode_steps():
     scheduler.update(prefill, np.zeros(4, np.int32))
     decode = scheduler.schedule()
     assert decode.bucket.num_steps == 4 and decode.num_new_tokens == [2, 4]
-    # Sequence 0 computes positions 10, 11 (contexts 11, 12); sequence 1 positions 7 .. 10.
-    assert step_work(decode) == StepWork(4, 0, 0, 0, 2 * 4, 11 + 12 + 8 + 9 + 10 + 11)
+    # Sequence 0 computes positions 10, 11 (contexts 11, 12); sequence 1 positions 7 .. 10; 4
+    # rows (the smallest multi-step bucket here) computed 4 times.
+    assert step_work(decode) == StepWork(4, 0, 0, 0, 4 * 4, 11 + 12 + 8 + 9 + 10 + 11)
 
 
 # The simulator's clock.
@@ -248,7 +249,8 @@ def test_plans_of_several_decode_steps_run_to_the_end():
     result = simulate([request], config, arrival="time", cost_model=HAND)
     assert result.num_prefill_steps == 1 and result.num_decode_steps == 2
     prefill = 1.0 + 0.5 + 0.01 * 16 + 0.0001 * 136
-    # 4 steps of one row each; contexts 17 - 20, then 21 - 24.
-    decodes = 2 * (4 * 1.0 + 0.1 * 4) + 0.001 * (sum(range(17, 21)) + sum(range(21, 25)))
+    # 4 steps of one row padded to 4 (the smallest multi-step bucket here); contexts 17 - 20,
+    # then 21 - 24.
+    decodes = 2 * (4 * 1.0 + 0.1 * 4 * 4) + 0.001 * (sum(range(17, 21)) + sum(range(21, 25)))
     assert result.simulated_seconds == pytest.approx(prefill + decodes, rel=1e-12)
     assert result.ttft_seconds.tolist() == pytest.approx([prefill], rel=1e-12)

@@ -42,6 +42,19 @@ def test_ladder_rungs_and_buckets():
     assert one_width.decode_bucket(5, 3) == Bucket("decode", 8, 8, 8, 13)
 
 
+def test_multi_step_buckets_hold_at_least_eight_rows():
+    config = make_config(max_num_seqs=48, num_scheduler_steps=4)
+    ladder = BucketLadder.from_config(config)
+    assert ladder.multi_step_sizes == (8, 16, 32)  # none of 48: MULTI_STEP_MAX_SEQS
+    assert ladder.decode_bucket(1, 1, 4) == Bucket("decode", 8, 8, 8, 1, 4)
+    assert ladder.decode_bucket(1, 1) == Bucket("decode", 1, 1, 1, 1)  # one step: as it is
+    assert {b.num_tokens for b in ladder.buckets() if b.num_steps == 4} == {8, 16, 32}
+    with pytest.raises(ValueError, match="no decode bucket of 4 steps for 33"):
+        ladder.decode_bucket(33, 1, 4)
+    small = BucketLadder.from_config(make_config(max_num_seqs=4, num_scheduler_steps=4))
+    assert small.multi_step_sizes == (4,)  # never more rows than max_num_seqs
+
+
 def test_every_built_shape_is_on_the_ladder():
     scheduler = make_scheduler(num_blocks=12, max_num_seqs=5)
     harness = Harness(scheduler)
