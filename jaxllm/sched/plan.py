@@ -74,8 +74,8 @@ class BucketLadder:
         decode_sizes: decode batch sizes B (T = G = S = B): powers of two up to max_num_seqs.
         prefill_sizes: prefill token counts T: prefill_tile * 2**k up to max_num_batched_tokens.
         widths: block-table widths W: powers of two up to the blocks of max_model_len.
-        num_steps: K of the multi-step decode buckets, one per decode size up to
-            `MULTI_STEP_MAX_SEQS` (none when 1).
+        num_steps: K of the multi-step decode buckets, one per size of `multi_step_sizes`
+            (none when 1).
     """
 
     decode_sizes: tuple[int, ...]
