@@ -59,13 +59,9 @@ from jaxllm.model.sharding import (
 Params = dict[str, Any]
 
 # NOTE: no rematerialization: with the layers unrolled it counts the donated cache twice and
-# recomputes matmuls; the engine sizes the cache from the step's scratch (`step_scratch_bytes`).
-# NOTE: no split-K GEMMs: at decode's few rows XLA:GPU splits o_proj and down_proj 8 ways plus an
-# adding kernel. Other backends ignore it. Figures for both: docs/performance.md.
-COMPILER_OPTIONS = {
-    "xla_disable_hlo_passes": "rematerialization",
-    "xla_gpu_experimental_force_split_k": 1,
-}
+# recomputes matmuls; the engine sizes the cache from the step's scratch (`step_scratch_bytes`;
+# figures in docs/performance.md).
+COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 class Qwen3ForCausalLM(nn.Module):
