@@ -170,9 +170,8 @@ def main() -> None:
     contexts = np.full(args.batch, args.context)
     if args.min_context is not None:
         contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)
-    step = jax.jit(
-        forward, static_argnums=(1, 4), donate_argnums=2, compiler_options=COMPILER_OPTIONS
-    )
+    options = {**COMPILER_OPTIONS, **kernels.compiler_options(args.batch)}  # as the engine's
+    step = jax.jit(forward, static_argnums=(1, 4), donate_argnums=2, compiler_options=options)
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
     sampling = SamplingInputs(
         temperature=jnp.full((args.batch,), 0.6, jnp.float32),

@@ -53,7 +53,8 @@ logged() {
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests) logged tests 30 $ONE_GPU python3 -m pytest -q -s -m gpu tests ;;
+    # NOTE: the device lacks some test-only packages (jsonschema) of modules without GPU tests.
+    tests) logged tests 30 $ONE_GPU python3 -m pytest -q -s -m gpu --continue-on-collection-errors tests ;;
     tests:*) logged tests-one 30 $ONE_GPU python3 -m pytest -q -s -m gpu "${stage#tests:}" ;;
     bench-0.6b | bench-0.6b-warm)
       logged "$stage" 12 $ONE_GPU python3 scripts/bench.py --json "$RECORDS/$stage.json" ;;
