@@ -30,6 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--max-tokens", type=int, default=64)
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+        constraint = sub.add_mutually_exclusive_group()
+        constraint.add_argument(
+            "--json-schema", metavar="FILE", help="outputs are instances of this JSON schema"
+        )
+        constraint.add_argument("--regex", help="outputs match this regular expression")
+        constraint.add_argument("--choice", nargs="+", help="outputs are one of these")
+        sub.add_argument(
+            "--disable-any-whitespace",
+            action="store_true",
+            help="--json-schema: no whitespace between JSON's tokens",
+        )
         if name == "chat":
             sub.add_argument(
                 "--enable-thinking",
@@ -41,30 +52,53 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from jaxllm.llm import LLM
-    from jaxllm.sampling_params import SamplingParams
+    from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+    try:
+        structured = None
+        if any(kind is not None for kind in (args.json_schema, args.regex, args.choice)):
+            schema = None if args.json_schema is None else _read(args.json_schema)
+            structured = StructuredOutputsParams(
+                json=schema,
+                regex=args.regex,
+                choice=args.choice,
+                disable_any_whitespace=args.disable_any_whitespace,
+            )
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            structured_outputs=structured,
+        )
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
     for setting in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, setting) is not None:
             kwargs[setting] = getattr(args, setting)
     llm = LLM(args.model, **kwargs)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
     prompts = args.prompts or ["The capital of France is"]
-    if args.command == "generate":
-        outputs = llm.generate(prompts, params)
-    else:
-        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-        outputs = llm.chat(conversations, params, enable_thinking=args.enable_thinking)
+    # NOTE: what the engine refuses, it refuses before any work (a schema llguidance rejects, a
+    # prompt too long, the structured extra missing).
+    try:
+        if args.command == "generate":
+            outputs = llm.generate(prompts, params)
+        else:
+            conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+            outputs = llm.chat(conversations, params, enable_thinking=args.enable_thinking)
+    except (ImportError, ValueError) as error:
+        parser.error(str(error))
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")
     return 0
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as file:
+        return file.read()
 
 
 if __name__ == "__main__":

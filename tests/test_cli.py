@@ -6,6 +6,7 @@ the same code with a smaller ladder (fewer buckets to compile) and fewer tokens.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -81,3 +82,52 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def completions(out: str) -> list[tuple[str, str]]:
+    """(text, finish reason) of each prompt's output, as `main` prints them."""
+    blocks = re.findall(r"=== .*?\n(.*?)\n--- \d+ tokens, finish_reason=(\w+)\n", out, re.S)
+    return [(text, reason) for text, reason in blocks]
+
+
+def test_constrained_generation_from_the_command_line(capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    sampling = ["--temperature", "1", "--top-p", "1", "--max-tokens", "32", "--seed", "3"]
+    cases = {
+        "choice": (["--choice", "yes", "no", "maybe"], lambda text: text in ("yes", "no", "maybe")),
+        "regex": (["--regex", "[0-9]{3}-[a-c]{2}"], re.compile("[0-9]{3}-[a-c]{2}").fullmatch),
+        "json": (
+            ["--json-schema", str(schema_file), "--disable-any-whitespace"],
+            lambda text: jsonschema.validate(json.loads(text), schema) is None,
+        ),
+    }
+    for flags, valid in cases.values():
+        assert main(["generate", "A", "B", *SMALL, *sampling, *flags]) == 0
+        outputs = completions(capsys.readouterr().out)
+        assert len(outputs) == 2
+        assert all(reason == "stop" and valid(text) for text, reason in outputs), outputs
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--choice", "a", "--regex", "b"], "not allowed with argument"),
+        (["--json-schema", "no/such/file.json"], "No such file"),
+        (["--regex", "(unclosed"], "StructuredOutputsParams.regex is invalid"),
+    ],
+)
+def test_bad_constraints_exit_with_the_reason(flags, message, capsys):
+    pytest.importorskip("llguidance")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "A", *SMALL, *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
