@@ -143,6 +143,23 @@ def test_allowed_tokens_narrow_the_grammar_and_never_empty_it(text_llm):
         assert all(c.finish_reason == "stop" and c.text in expected for c in completions)
 
 
+def test_a_stop_string_ends_a_constrained_output_early(text_llm):
+    constraint = StructuredOutputsParams(choice=["apple pie", "banana split", "cherry tart"])
+    completions = sample_all(text_llm, constraint, max_tokens=16, stop=[" "])
+    assert all(
+        c.finish_reason == "stop" and c.text in ("apple", "banana", "cherry") for c in completions
+    )
+
+
+def test_constrained_outputs_at_tp2_equal_tp1(text_llm):
+    """The same seeds give the same constrained outputs with the model over two devices."""
+    constraint = StructuredOutputsParams(regex="[a-f]{3,9}")
+    at_tp2 = make_text_llm(tensor_parallel_size=2)
+    texts = [[c.text for c in sample_all(llm, constraint)] for llm in (text_llm, at_tp2)]
+    assert texts[0] == texts[1]
+    assert all(re.fullmatch("[a-f]{3,9}", text) for text in texts[1])
+
+
 def test_processed_logprobs_are_of_the_masked_logits():
     """logprobs_mode="processed_logprobs": the tokens the grammar bans are at -inf, so the top
     entries past the allowed ones are -inf; the first token starts a choice."""
