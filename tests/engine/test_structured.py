@@ -240,6 +240,34 @@ def make_text_llm(**settings):
     )  # fmt: skip
 
 
+def test_a_model_directory_with_a_tokenizer_of_its_own(tmp_path):
+    """A Hugging Face tokenizer of the model's directory (bytes only, no merges: every
+    character is a token of its own), not the embedded one."""
+    from support.hf import save_checkpoint
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from jaxllm import LLM
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>")
+    save_checkpoint(tmp_path, vocab_size=320)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path), max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=16,
+        compile_at_startup=False, dtype="float32",
+    )  # fmt: skip
+    assert len(llm.tokenizer) == 257
+    pattern = "[0-9]{2}-[a-z]{3}"
+    for completion in sample_all(llm, StructuredOutputsParams(regex=pattern), max_tokens=16):
+        assert completion.finish_reason == "stop" and re.fullmatch(pattern, completion.text)
+        assert len(completion.token_ids) == 6  # a token a character; nothing can follow
+
+
 def test_each_spec_compiles_once(text_llm):
     grammars = text_llm.engine.grammars
     constraint = StructuredOutputsParams(regex="[a-c]{5}")
