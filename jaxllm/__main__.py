@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         structured = None
         if any(kind is not None for kind in (args.json_schema, args.regex, args.choice)):
-            schema = None if args.json_schema is None else _read(args.json_schema)
+            schema = None if args.json_schema is None else Path(args.json_schema).read_text()
             structured = StructuredOutputsParams(
                 json=schema,
                 regex=args.regex,
@@ -94,11 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")
     return 0
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as file:
-        return file.read()
 
 
 if __name__ == "__main__":
