@@ -133,7 +133,7 @@ def fitted_model(args: argparse.Namespace, model_name: str, llm) -> tuple[StepCo
 def run_measure(args: argparse.Namespace) -> dict:
     model_name, llm = build_llm(args)
     model, report = fitted_model(args, model_name, llm)
-    return {"cost_model": dataclasses.asdict(model), "fit": report}
+    return {"cost_model": model.as_dict(), "fit": report}
 
 
 def run_replay(args: argparse.Namespace) -> dict:

@@ -12,7 +12,6 @@ the plan that sampled it: the clock `cache_sim.simulate` keeps.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,5 +257,5 @@ def replay(engine, requests: Sequence[Request], model: StepCostModel) -> dict:
         # NOTE: a step that compiles takes far longer than its model says.
         "compilations_during_replay": engine.runner.num_compiled - compiled_before,
         "simulator_steps": simulated.num_prefill_steps + simulated.num_decode_steps,
-        "cost_model": dataclasses.asdict(model),
+        "cost_model": model.as_dict(),
     }

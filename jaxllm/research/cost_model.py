@@ -2,29 +2,30 @@
 
 The simulator (`cache_sim.simulate(..., cost_model=...)`) advances its clock by
 `StepCostModel.step_seconds(step_work(plan, from_idle))` for every plan the scheduler makes;
-`scripts/calibrate_step_cost.py` fits the coefficients to steps timed on the engine.
+`scripts/calibrate_step_cost.py` fits the prices to steps timed on the engine.
 
-The work of a step (`StepWork`), and the coefficient that prices a unit of it:
+The work of a step (`StepWork`); `StepCostModel.prices` is a `StepWork` too, each field the
+seconds one unit of that work costs:
 
-- `num_forward_steps`: forward passes, 1 or K for a plan of K decode steps: `overhead_seconds`;
-- `from_idle`: 1 when no step was in flight as the plan was made: `idle_start_seconds`;
+- `num_forward_steps`: forward passes, 1 or K for a plan of K decode steps (its price: the
+  overhead of a pass, whatever its size);
+- `from_idle`: 1 when no step was in flight as the plan was made;
 - `num_prefill_tokens`: prefill tokens the device computes (the plan's bucket, padding
-  included): `prefill_token_seconds`;
-- `num_prefill_pairs`: (query, key) pairs of prefill attention: `prefill_pair_seconds`;
+  included);
+- `num_prefill_pairs`: (query, key) pairs of prefill attention;
 - `num_decode_rows`: decode rows the device computes (the bucket, padding included), summed
-  over the plan's steps: `decode_row_seconds`;
+  over the plan's steps;
 - `num_context_tokens`: context tokens decode attention reads (each row's context length),
-  summed over the plan's steps: `context_token_seconds`.
+  summed over the plan's steps.
 
 Prefill attention is compute-bound (each new token attends to every token before it) and
 decode attention bandwidth-bound (each row reads its context's K/V once), so the two have a
-coefficient each. The engine plans step N + 1 while the device runs step N, so a busy engine
-hides its host work; the first step after an idle moment pays it: `idle_start_seconds`.
+price each. The engine plans step N + 1 while the device runs step N, so a busy engine
+hides its host work; the first step after an idle moment pays it: the price of `from_idle`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,14 +38,15 @@ from jaxllm.sched import StepPlan
 
 
 class StepWork(NamedTuple):
-    """What one plan makes the device do (see the module's table)."""
+    """What one plan makes the device do (see the module's table), or as
+    `StepCostModel.prices`, the seconds a unit of each costs."""
 
-    num_forward_steps: int = 1
-    from_idle: int = 0
-    num_prefill_tokens: int = 0
-    num_prefill_pairs: int = 0
-    num_decode_rows: int = 0
-    num_context_tokens: int = 0
+    num_forward_steps: float = 1
+    from_idle: float = 0
+    num_prefill_tokens: float = 0
+    num_prefill_pairs: float = 0
+    num_decode_rows: float = 0
+    num_context_tokens: float = 0
 
 
 def attended_pairs(start_positions: list[int], num_new_tokens: list[int]) -> int:
@@ -73,61 +75,50 @@ def step_work(plan: StepPlan, from_idle: bool = False) -> StepWork:
 
 @dataclass(frozen=True)
 class StepCostModel:
-    """Seconds of an engine step: the work of its plan (`StepWork`) priced by these coefficients.
+    """Seconds of an engine step: the work of its plan (`StepWork`), each unit at its price.
 
     Attributes:
-        overhead_seconds: per forward pass, whatever its size.
-        idle_start_seconds: extra for a step planned while no step was in flight.
-        prefill_token_seconds: per prefill token computed (padding included).
-        prefill_pair_seconds: per (query, key) pair of prefill attention.
-        decode_row_seconds: per decode row computed (padding included).
-        context_token_seconds: per context token a decode row reads.
-        description: where the numbers come from (the model, the device, the fit).
+        prices: seconds per unit of each kind of work, in a `StepWork`.
+        description: where the prices come from (the model, the device, the fit).
     """
 
-    overhead_seconds: float = 0.0
-    idle_start_seconds: float = 0.0
-    prefill_token_seconds: float = 0.0
-    prefill_pair_seconds: float = 0.0
-    decode_row_seconds: float = 0.0
-    context_token_seconds: float = 0.0
+    prices: StepWork
     description: str = ""
-
-    @property
-    def coefficients(self) -> np.ndarray:
-        """[6] the coefficients in `StepWork`'s order."""
-        return np.array([getattr(self, name) for name in COEFFICIENTS])
 
     def step_seconds(self, work: StepWork) -> float:
         """Seconds of a step doing `work`."""
-        return (
-            self.overhead_seconds * work.num_forward_steps
-            + self.idle_start_seconds * work.from_idle
-            + self.prefill_token_seconds * work.num_prefill_tokens
-            + self.prefill_pair_seconds * work.num_prefill_pairs
-            + self.decode_row_seconds * work.num_decode_rows
-            + self.context_token_seconds * work.num_context_tokens
-        )
+        return sum(price * amount for price, amount in zip(self.prices, work, strict=True))
 
     def plan_seconds(self, plan: StepPlan, from_idle: bool = False) -> float:
         """Seconds of the step that runs `plan`."""
         return self.step_seconds(step_work(plan, from_idle))
 
+    def as_dict(self) -> dict:
+        """The model as JSON data: what `save` writes and `load` reads."""
+        return {"prices": self.prices._asdict(), "description": self.description}
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:
-        """Reads what `save` wrote. Raises TypeError on an unknown or missing coefficient."""
-        return cls(**json.loads(Path(path).read_text()))
+        """Reads what `save` wrote. Raises TypeError on an unknown or missing price."""
+        record = json.loads(Path(path).read_text())
+        prices = record.pop("prices")
+        if set(prices) != set(StepWork._fields):
+            raise TypeError(
+                f"a step cost model prices exactly {', '.join(StepWork._fields)}; got "
+                f"{', '.join(prices)}"
+            )
+        return cls(StepWork(**prices), **record)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[StepWork, float]], description: str = "") -> StepCostModel:
-        """The non-negative coefficients that minimise the squared *relative* error of the
+        """The non-negative prices that minimise the squared *relative* error of the
         predicted seconds over measured (work, seconds) samples.
 
-        Relative, so that the short decode steps weigh as much as the long prefills. A
-        coefficient whose work is zero in every sample comes out 0.
+        Relative, so that the short decode steps weigh as much as the long prefills. A price
+        whose work is zero in every sample comes out 0.
 
         Raises:
             ValueError: no sample, or a sample of zero or negative seconds.
@@ -141,12 +132,9 @@ class StepCostModel:
             raise ValueError("every sample must take more than 0 seconds")
         matrix = work / seconds[:, None]  # relative error: row i divided by seconds_i
         scale = np.abs(matrix).max(axis=0)
-        scale[scale == 0] = 1.0  # an all-zero column keeps coefficient 0
+        scale[scale == 0] = 1.0  # an all-zero column keeps price 0
         solution = nnls(matrix / scale, np.ones(len(samples)))
-        return cls(*(solution / scale).tolist(), description=description)
-
-
-COEFFICIENTS = tuple(f.name for f in dataclasses.fields(StepCostModel))[:6]
+        return cls(StepWork(*(solution / scale).tolist()), description)
 
 
 def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int | None = None) -> np.ndarray:
@@ -188,11 +176,13 @@ def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int | None = No
 # another 1,000 requests gave a simulated mean TTFT 0.96 of the engine's
 # (docs/perf-runs/2026-12-02-h200-replay-1000-requests-calibration-trace.json).
 H200_QWEN3_0_6B = StepCostModel(
-    overhead_seconds=2.01e-3,
-    idle_start_seconds=2.93e-3,
-    prefill_token_seconds=1.91e-6,
-    prefill_pair_seconds=2.45e-10,
-    decode_row_seconds=2.27e-6,
-    context_token_seconds=2.38e-8,
+    StepWork(
+        num_forward_steps=2.01e-3,
+        from_idle=2.93e-3,
+        num_prefill_tokens=1.91e-6,
+        num_prefill_pairs=2.45e-10,
+        num_decode_rows=2.27e-6,
+        num_context_tokens=2.38e-8,
+    ),
     description="fitted on one H200 (random:qwen3-0.6b), checked by a replay: mean TTFT 0.96",
 )

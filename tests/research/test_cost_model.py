@@ -14,7 +14,6 @@ from support.repo import assert_import_leaves_out
 from jaxllm.research import workloads as w
 from jaxllm.research.cache_sim import make_config, simulate
 from jaxllm.research.cost_model import (
-    COEFFICIENTS,
     H200_QWEN3_0_6B,
     StepCostModel,
     StepWork,
@@ -26,14 +25,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
 
 BLOCK = 16
-TRUE = StepCostModel(
-    overhead_seconds=1.7e-3,
-    idle_start_seconds=9e-4,
-    prefill_token_seconds=2.3e-6,
-    prefill_pair_seconds=8e-10,
-    decode_row_seconds=4.5e-6,
-    context_token_seconds=1.3e-8,
-)
+TRUE = StepCostModel(StepWork(1.7e-3, 9e-4, 2.3e-6, 8e-10, 4.5e-6, 1.3e-8))
 
 
 def random_work(rng: np.random.Generator, count: int) -> list[StepWork]:
@@ -56,23 +48,23 @@ def random_work(rng: np.random.Generator, count: int) -> list[StepWork]:
 # The fit.
 
 
-def test_fit_recovers_known_coefficients():
+def test_fit_recovers_known_prices():
     works = random_work(np.random.default_rng(0), 200)
     samples = [(work, TRUE.step_seconds(work)) for work in works]
     fitted = StepCostModel.fit(samples, description="synthetic")
-    np.testing.assert_allclose(fitted.coefficients, TRUE.coefficients, rtol=1e-6)
+    np.testing.assert_allclose(fitted.prices, TRUE.prices, rtol=1e-6)
     assert fitted.description == "synthetic"
 
 
-def test_fit_keeps_coefficients_non_negative_and_zeroes_unused_ones():
+def test_fit_keeps_prices_non_negative_and_zeroes_unused_ones():
     # Steps whose time falls with their size: least squares would give a negative slope.
     samples = [(StepWork(1, 0, tokens, 0, 0, 0), 0.01 - 1e-6 * tokens) for tokens in (128, 4096)]
     samples += [(StepWork(1, 0, 0, 0, 8, 800), 0.01)]
     fitted = StepCostModel.fit(samples)
-    assert fitted.prefill_token_seconds == 0.0
-    assert fitted.overhead_seconds > 0
-    assert fitted.idle_start_seconds == fitted.prefill_pair_seconds == 0.0  # no such work
-    assert all(value >= 0 for value in fitted.coefficients)
+    assert fitted.prices.num_prefill_tokens == 0.0
+    assert fitted.prices.num_forward_steps > 0
+    assert fitted.prices.from_idle == fitted.prices.num_prefill_pairs == 0.0  # no such work
+    assert all(price >= 0 for price in fitted.prices)
     with pytest.raises(ValueError, match="more than 0"):
         StepCostModel.fit([(StepWork(), 0.0)])
     with pytest.raises(ValueError, match="at least one"):
@@ -109,9 +101,14 @@ def test_json_round_trip(tmp_path):
     H200_QWEN3_0_6B.save(path)
     assert StepCostModel.load(path) == H200_QWEN3_0_6B
     record = json.loads(path.read_text())
-    assert set(record) == {*COEFFICIENTS, "description"}
-    path.write_text(json.dumps(record | {"seconds_per_banana": 1.0}))
-    with pytest.raises(TypeError, match="seconds_per_banana"):
+    assert set(record["prices"]) == set(StepWork._fields)
+    record["prices"]["num_bananas"] = 1.0
+    path.write_text(json.dumps(record))
+    with pytest.raises(TypeError, match="num_bananas"):
+        StepCostModel.load(path)
+    del record["prices"]["num_bananas"], record["prices"]["from_idle"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(TypeError, match="from_idle"):
         StepCostModel.load(path)
 
 
@@ -156,12 +153,14 @@ def test_step_work_of_a_plan_of_several_decode_steps():
 # The simulator's clock.
 
 HAND = StepCostModel(
-    overhead_seconds=1.0,
-    idle_start_seconds=0.5,
-    prefill_token_seconds=0.01,
-    prefill_pair_seconds=0.0001,
-    decode_row_seconds=0.1,
-    context_token_seconds=0.001,
+    StepWork(
+        num_forward_steps=1.0,
+        from_idle=0.5,
+        num_prefill_tokens=0.01,
+        num_prefill_pairs=0.0001,
+        num_decode_rows=0.1,
+        num_context_tokens=0.001,
+    )
 )
 
 
@@ -208,14 +207,14 @@ def test_overhead_alone_is_the_fixed_step_time():
     config = make_config(requests, 64, block_size=BLOCK, max_num_seqs=4, prefill_tile=16)
     fixed = simulate(requests, config, arrival="time", step_time=0.25)
     modelled = simulate(
-        requests, config, arrival="time", cost_model=StepCostModel(overhead_seconds=0.25)
+        requests, config, arrival="time", cost_model=StepCostModel(StepWork(num_forward_steps=0.25))
     )
     assert modelled.simulated_seconds == pytest.approx(fixed.simulated_seconds, rel=1e-12)
     np.testing.assert_allclose(modelled.ttft_seconds, fixed.ttft_seconds, rtol=1e-12)
     assert (fixed.ttft_seconds >= 0.25 - 1e-12).all()  # at least the step that samples it
     assert fixed.num_hit_tokens == modelled.num_hit_tokens > 0
     with pytest.raises(ValueError, match="not both"):
-        simulate(requests, config, step_time=1.0, cost_model=StepCostModel(1.0))
+        simulate(requests, config, step_time=1.0, cost_model=HAND)
 
 
 def test_timed_reports(tmp_path):
