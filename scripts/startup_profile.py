@@ -35,10 +35,44 @@ def union_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def program_label(lowered) -> str:
+    """A compiled program's name and the shapes of its integer inputs (which name its bucket);
+    `time_compiles` numbers the programs of one label (e.g. a sampler's modes)."""
+    import jax
+
+    shapes = [
+        "x".join(map(str, info.shape)) or "1"
+        for info in jax.tree.leaves(lowered.args_info)
+        if info.dtype.kind in "iu"
+    ]
+    return f"{lowered._lowering._name}[{','.join(shapes[:3])}]"
+
+
+def time_compiles(programs: dict[str, float]) -> None:
+    """Records each `Lowered.compile`'s seconds in `programs`, by `program_label`."""
+    import jax
+
+    compile_lowered = jax.stages.Lowered.compile
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return compile_lowered(self, *args, **kwargs)
+        finally:
+            label = program_label(self)
+            label += f" #{sum(name.startswith(label) for name in programs) + 1}"
+            programs[label] = time.perf_counter() - start
+
+    jax.stages.Lowered.compile = timed
+
+
 def profile(model: str) -> dict:
     """One start-up in this process, with its timings."""
     marks = {"process": time.perf_counter()}
     import jax
+
+    programs: dict[str, float] = {}
+    time_compiles(programs)
 
     marks["import jax"] = time.perf_counter()
     jax.devices()
@@ -76,6 +110,7 @@ def profile(model: str) -> dict:
         },
         "first_event_s": min((s for v in spans.values() for s, _ in v), default=start) - start,
         "events": {f"{kind} {name}": counts for (kind, name), counts in sorted(by_kind.items())},
+        "programs_s": dict(sorted(programs.items(), key=lambda item: -item[1])),
     }
 
 
@@ -92,6 +127,9 @@ def report(run: str, result: dict) -> None:
     slowest = sorted(result["events"].items(), key=lambda item: -item[1][1])[:8]
     for name, (count, seconds) in slowest:
         print(f"{name[:60]:>60} {count:3d} x {seconds:7.2f} s")
+    print("slowest compiles (wall, on the compiling threads):")
+    for name, seconds in list(result["programs_s"].items())[:12]:
+        print(f"{name[:60]:>60} {seconds:7.2f} s")
 
 
 def main() -> None:
