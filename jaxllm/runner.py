@@ -234,12 +234,12 @@ class ModelRunner:
                 self._logprobs.lower, logits[n],
                 shape((self.max_sampled_rows,), jnp.int32),
                 packed((np.zeros(n, np.int32), *SamplingInputs.padding(n))),
-            ), {})
+            ), options(n))
             for n in (rows if logprobs else ())
         ] + [
             (self._sample_executables, (n, mode), functools.partial(
                 self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
-            ), {})
+            ), options(n))
             for n in rows for mode in sampler_modes
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
