@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm import steps
+from jaxllm.executables import ExecutableStore
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
@@ -92,6 +93,7 @@ class ModelRunner:
         processed_logprobs: bool = False,
         num_processor_slots: int = 1,
         processor_rows: tuple[int, ...] = (),
+        executables: ExecutableStore | None = None,
     ) -> None:
         self.config = config
         self.params = params
@@ -146,6 +148,10 @@ class ModelRunner:
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
+        # NOTE: what the programs depend on besides their arguments (`ExecutableStore.key`)
+        self._settings = (config, kernels, mesh, mesh.device_ids.tolist(), max_sampled_rows)
+        self._settings += (max_logprobs, processed_logprobs)
+        self.executables = executables or ExecutableStore()  # none: every program compiled
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
         self.warn_on_compile = False  # set once the whole ladder is compiled
 
@@ -243,22 +249,28 @@ class ModelRunner:
             for n in rows for mode in sampler_modes
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
-        total = len(programs)
+        store, total = self.executables, len(programs)
         workers = max(1, min(COMPILE_THREADS, total, os.cpu_count() or 1))
-        # NOTE: each program is lowered here while those before it compile on the threads,
-        # under the partitioner the steps need (`partitioner_for`).
+        # NOTE: each program is loaded from `executables` or lowered here while those before it
+        # compile (or load) on the threads, under the partitioner the steps need.
         with (
             tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar,
             partitioner_for(self.mesh, self.kernels.custom_calls),
             concurrent.futures.ThreadPoolExecutor(workers) as pool,
         ):
-            futures = {
-                pool.submit(lower().compile, compiler_options): (table, key)
-                for table, key, lower, compiler_options in programs
-            }
+            futures = {}
+            for table, key, lower, xla_options in programs:
+                name = lower.func.__self__.__name__  # the jitted function's, e.g. "sample_step"
+                stored = store.key(self._settings, name, lower.args, lower.keywords, xla_options)
+                if stored in store:
+                    future = pool.submit(store.load, stored)
+                else:
+                    future = pool.submit(store.compile, lower(), xla_options, stored)
+                futures[future] = (table, key, lower, xla_options, stored)
             for future in concurrent.futures.as_completed(futures):
-                table, key = futures[future]
-                table[key] = future.result()
+                table, key, lower, xla_options, stored = futures[future]
+                # NOTE: a stored program that failed to load (None) is compiled again
+                table[key] = future.result() or store.compile(lower(), xla_options, stored)
                 bar.update(1)
         self.num_compiled += total
 

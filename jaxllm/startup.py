@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
+from jaxllm.executables import ExecutableStore
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_config, load_params
 from jaxllm.model.config import Qwen3Config
@@ -41,21 +42,24 @@ logger = logging.getLogger(__name__)
 
 COMPILATION_CACHE_ENV = "JAXLLM_COMPILATION_CACHE"
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxllm/xla"
+EXECUTABLES_DIR = "jaxllm-executables"  # the runner's programs, in the compilation cache
 # NOTE: the longest sequence when none is asked for (the model's limit, if lower): longer ones
 # widen the block tables of every step.
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-def configure_compilation_cache() -> None:
+def configure_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache, for the process, in `$JAXLLM_COMPILATION_CACHE`
-    (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already."""
+    (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already; returns
+    the cache's directory (None: no cache)."""
     directory = os.path.expanduser(os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE))
-    if not directory or jax.config.jax_compilation_cache_dir:
-        return
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if directory and not jax.config.jax_compilation_cache_dir:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cache = jax.config.jax_compilation_cache_dir
+    return Path(cache) if cache else None
 
 
 def resolve_model(model: str) -> str:
@@ -136,7 +140,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             KV cache too small for one max_model_len request.
         FileNotFoundError: a model that is neither a directory nor downloadable.
     """
-    configure_compilation_cache()
+    cache = configure_compilation_cache()
     seconds: dict[str, float] = {}
     phase = functools.partial(timed_phase, seconds)
     path = resolve_model(model)
@@ -222,6 +226,11 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
                 if config.compile_at_startup
                 else ()
             ),
+            # NOTE: with one process only; programs over several processes' devices are not
+            # stored, JAX's cache keeps them
+            executables=ExecutableStore(cache / EXECUTABLES_DIR, mesh.devices.flat)
+            if cache is not None and jax.process_count() == 1
+            else None,
         )
     if config.compile_at_startup:
         with phase("compile"):

@@ -103,6 +103,7 @@ def profile(model: str) -> dict:
         "marks_s": {b: marks[b] - marks[a] for a, b in itertools.pairwise(steps)},
         "phases_s": llm.startup_seconds,
         "num_executables": llm.engine.runner.num_compiled,
+        "num_loaded": llm.engine.runner.executables.num_loaded,
         "torch_imported": "torch" in sys.modules,
         "wall_s": {
             kind: union_seconds([s for (k, _), v in spans.items() if k == kind for s in v])
@@ -115,7 +116,10 @@ def profile(model: str) -> dict:
 
 
 def report(run: str, result: dict) -> None:
-    print(f"--- {run}: {result['model']}, {result['num_executables']} executables")
+    print(
+        f"--- {run}: {result['model']}, {result['num_executables']} executables, "
+        f"{result['num_loaded']} loaded unlowered (jaxllm.executables)"
+    )
     for name, seconds in {**result["marks_s"], **result["phases_s"]}.items():
         print(f"{name:>28} {seconds:7.2f} s")
     print(f"{'torch imported':>28} {result['torch_imported']}")

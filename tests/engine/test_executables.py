@@ -1,0 +1,112 @@
+"""The runner's programs kept on disk: a second start loads them without tracing, a model that
+differs only in a value baked into its programs gets its own, and a damaged file is compiled
+again (`jaxllm.executables`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from support.engine import BASE_SETTINGS, NUM_GREEDY_TOKENS, greedy_params, make_llm_with
+from support.hf import save_checkpoint
+
+from jaxllm.executables import STALE_DAYS, ExecutableStore
+from jaxllm.startup import configure_compilation_cache
+
+# A short ladder compiled at start-up: 2 decode sizes, prefill chunks of 16 and 32 tokens.
+SETTINGS = BASE_SETTINGS | dict(max_num_seqs=2, max_num_batched_tokens=32, compile_at_startup=True)
+STEP_PROGRAMS = {"forward_step", "decode_steps", "sample_step", "logprob_step"}
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """The process's compilation cache (the store lives in it); a temporary one if it has none."""
+    if configure_compilation_cache() is None:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        yield
+        jax.config.update("jax_compilation_cache_dir", None)
+    else:
+        yield
+
+
+def traced_step_programs(build):
+    """The step programs traced while `build()` runs, and what it returns."""
+    traced = []
+
+    def on_span(event: str, start: float, end: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_time_span_listener(on_span)
+    try:
+        result = build()
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(on_span)
+    return [name for name in traced if name in STEP_PROGRAMS], result
+
+
+def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own(
+    compilation_cache, greedy_prompts, tmp_path
+):
+    # the same weights (seed 0): only the rotation tells the two models apart
+    model = save_checkpoint(tmp_path / "model", rope_theta=10_000.0)
+    other = save_checkpoint(tmp_path / "other", rope_theta=1_000.0)
+    make_llm_with(model.path, **SETTINGS)
+    traced, second = traced_step_programs(lambda: make_llm_with(model.path, **SETTINGS))
+    assert traced == []
+    runner = second.engine.runner
+    assert runner.executables.num_loaded == runner.num_executables > 0
+    third = make_llm_with(other.path, **SETTINGS)
+    prompts = greedy_prompts[5:8]  # 33 to 100 tokens
+    expected = {
+        name: [checkpoint.greedy(prompt, NUM_GREEDY_TOKENS) for prompt in prompts]
+        for name, checkpoint in (("model", model), ("other", other))
+    }
+    assert expected["model"] != expected["other"]
+    for name, llm in (("model", second), ("other", third)):
+        outputs = llm.generate(prompts, greedy_params(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected[name]
+
+
+def test_the_store_keeps_loads_and_recompiles_a_damaged_program(tmp_path, caplog):
+    stale, recent = tmp_path / "0123456789abcdef", tmp_path / "fedcba9876543210"
+    for folder in (stale, recent):
+        (folder / "program.executable").parent.mkdir()
+        (folder / "program.executable").write_bytes(b"")
+    days_ago = time.time() - (STALE_DAYS + 1) * 24 * 3600
+    os.utime(stale, (days_ago, days_ago))
+    store = ExecutableStore(tmp_path, jax.devices()[:1])
+    # another environment's programs: kept a while (two checkouts in turn), then deleted
+    assert recent.exists() and not stale.exists()
+    factor = random.random()  # a program new to JAX's cache (whose programs are not stored)
+    twice = jax.jit(lambda x: factor * x)
+    x = jnp.arange(4.0)
+    key = store.key("twice", x, {})
+    assert key not in store
+    compiled = store.compile(twice.lower(x), {}, key)
+    assert key in store and store.key("twice", x, {}) == key
+    assert store.key("twice", jnp.arange(4), {}) != key  # another dtype, another program
+    assert store.key("twice", x, {"xla_gpu_autotune_level": 0}) != key
+    loaded = store.load(key)
+    assert store.num_loaded == 1
+    assert (loaded(x) == compiled(x)).all() and (loaded(x) == factor * x).all()
+    path = next(store.directory.glob("*.executable"))
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="jaxllm.executables"):
+        assert store.load(key) is None
+    assert "could not load" in caplog.text
+    assert store.num_loaded == 1
+
+
+def test_without_a_directory_nothing_is_kept():
+    store = ExecutableStore()
+    twice = jax.jit(lambda x: 2 * x)
+    x = jnp.arange(4.0)
+    key = store.key("twice", x)
+    assert key == "" and key not in store
+    assert (store.compile(twice.lower(x), {}, key)(x) == 2 * x).all()
