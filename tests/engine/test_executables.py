@@ -110,3 +110,24 @@ def test_without_a_directory_nothing_is_kept():
     key = store.key("twice", x)
     assert key == "" and key not in store
     assert (store.compile(twice.lower(x), {}, key)(x) == 2 * x).all()
+
+
+@pytest.mark.gpu
+def test_programs_loaded_on_the_gpu_give_the_tokens_of_the_compiled_ones(
+    compilation_cache, greedy_prompts, tmp_path
+):
+    # a head dim FlashAttention-3 takes; rope_theta unique to this run: every program compiled
+    shape = dict(tied=True, num_heads=4, num_kv_heads=1, head_dim=64, hidden=128, layers=2)
+    model = save_checkpoint(tmp_path / "model", rope_theta=10_000.0 + random.random(), **shape)
+    # the GPU's defaults (bf16, compiled at start-up, several decode steps a plan), a small ladder
+    settings = dict(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=256)
+    first = make_llm_with(model.path, num_kvcache_blocks=16, **settings)
+    second = make_llm_with(model.path, num_kvcache_blocks=16, **settings)
+    runner = second.engine.runner
+    assert runner.executables.num_loaded == runner.num_executables > 0
+    prompts = greedy_prompts[:6]
+    tokens = [
+        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy_params(), use_tqdm=False)]
+        for llm in (first, second)
+    ]
+    assert tokens[0] == tokens[1]
