@@ -80,6 +80,20 @@ def _delete_stale(directory: Path) -> None:
                 shutil.rmtree(folder)
 
 
+@functools.cache
+def _jax_cache_hits() -> threading.local:
+    """Per thread, in `count`, the programs JAX's persistent cache returned (from its events;
+    one listener for the process)."""
+    hits = threading.local()
+
+    def on_event(event: str, **kwargs: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.count = getattr(hits, "count", 0) + 1
+
+    jax.monitoring.register_event_listener(on_event)
+    return hits
+
+
 def _no_jax_cache_writes() -> contextlib.AbstractContextManager:
     """On this thread, JAX's persistent cache keeps no program it compiles (JAX writes those
     that took at least `jax_persistent_cache_min_compile_time_secs`)."""
@@ -111,9 +125,6 @@ class ExecutableStore:
         self.devices = list(devices)
         self.num_loaded = 0
         self._lock = threading.Lock()  # programs load on the runner's compiling threads
-        self._jax_cache_hits = threading.local()  # of the compiling thread (`compile`)
-        if self.directory is not None:
-            jax.monitoring.register_event_listener(self._on_event)
 
     def key(self, *parts: Any) -> str:
         """The key of a program: `parts` name it (the runner's settings, the program, its
@@ -150,16 +161,13 @@ class ExecutableStore:
         """
         if self.directory is None:
             return lowered.compile(options)
-        hits = getattr(self._jax_cache_hits, "count", 0)
+        hits = _jax_cache_hits()
+        before = getattr(hits, "count", 0)
         with _no_jax_cache_writes():
             compiled = lowered.compile(options)
-        if getattr(self._jax_cache_hits, "count", 0) == hits:
+        if getattr(hits, "count", 0) == before:
             self._save(key, compiled)
         return compiled
-
-    def _on_event(self, event: str, **kwargs: Any) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            self._jax_cache_hits.count = getattr(self._jax_cache_hits, "count", 0) + 1
 
     def _save(self, key: str, compiled: jax.stages.Compiled) -> None:
         try:

@@ -24,14 +24,10 @@ STEP_PROGRAMS = {"forward_step", "decode_steps", "sample_step", "logprob_step"}
 
 
 @pytest.fixture
-def compilation_cache(tmp_path):
-    """The process's compilation cache (the store lives in it); a temporary one if it has none."""
+def compilation_cache():
+    """The process's compilation cache, in which the store lives."""
     if configure_compilation_cache() is None:
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-        yield
-        jax.config.update("jax_compilation_cache_dir", None)
-    else:
-        yield
+        pytest.skip("the compilation cache is off ($JAXLLM_COMPILATION_CACHE is empty)")
 
 
 def traced_step_programs(build):
@@ -73,7 +69,9 @@ def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own(
         assert [o.outputs[0].token_ids for o in outputs] == expected[name]
 
 
-def test_the_store_keeps_loads_and_recompiles_a_damaged_program(tmp_path, caplog):
+def test_the_store_keeps_loads_and_recompiles_a_damaged_program(
+    compilation_cache, tmp_path, caplog
+):
     stale, recent = tmp_path / "0123456789abcdef", tmp_path / "fedcba9876543210"
     for folder in (stale, recent):
         (folder / "program.executable").parent.mkdir()
@@ -95,6 +93,11 @@ def test_the_store_keeps_loads_and_recompiles_a_damaged_program(tmp_path, caplog
     loaded = store.load(key)
     assert store.num_loaded == 1
     assert (loaded(x) == compiled(x)).all() and (loaded(x) == factor * x).all()
+    # compiled outside the store, so kept by JAX's cache: a program from there is not stored
+    jax.jit(lambda x: 3 * factor * x).lower(x).compile()
+    from_jax_cache = store.key("thrice", x, {})
+    store.compile(jax.jit(lambda x: 3 * factor * x).lower(x), {}, from_jax_cache)
+    assert from_jax_cache not in store
     path = next(store.directory.glob("*.executable"))
     path.write_bytes(path.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="jaxllm.executables"):
