@@ -15,8 +15,8 @@ import pytest
 from support.engine import BASE_SETTINGS, NUM_GREEDY_TOKENS, greedy_params, make_llm_with
 from support.hf import save_checkpoint
 
+from jaxllm import startup
 from jaxllm.executables import STALE_DAYS, ExecutableStore
-from jaxllm.startup import configure_compilation_cache
 
 # A short ladder compiled at start-up: 2 decode sizes, prefill chunks of 16 and 32 tokens.
 SETTINGS = BASE_SETTINGS | dict(max_num_seqs=2, max_num_batched_tokens=32, compile_at_startup=True)
@@ -24,10 +24,10 @@ STEP_PROGRAMS = {"forward_step", "decode_steps", "sample_step", "logprob_step"}
 
 
 @pytest.fixture
-def compilation_cache():
-    """The process's compilation cache, in which the store lives."""
-    if configure_compilation_cache() is None:
-        pytest.skip("the compilation cache is off ($JAXLLM_COMPILATION_CACHE is empty)")
+def compilation_cache(tmp_path, monkeypatch):
+    """A compilation cache of this test's own for the engines it starts: the store lives in
+    it, whatever the process's cache."""
+    monkeypatch.setattr(startup, "configure_compilation_cache", lambda: tmp_path / "cache")
 
 
 def traced_step_programs(build):
@@ -69,9 +69,7 @@ def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own(
         assert [o.outputs[0].token_ids for o in outputs] == expected[name]
 
 
-def test_the_store_keeps_loads_and_recompiles_a_damaged_program(
-    compilation_cache, tmp_path, caplog
-):
+def test_the_store_keeps_loads_and_recompiles_a_damaged_program(tmp_path, caplog):
     stale, recent = tmp_path / "0123456789abcdef", tmp_path / "fedcba9876543210"
     for folder in (stale, recent):
         (folder / "program.executable").parent.mkdir()
@@ -93,17 +91,24 @@ def test_the_store_keeps_loads_and_recompiles_a_damaged_program(
     loaded = store.load(key)
     assert store.num_loaded == 1
     assert (loaded(x) == compiled(x)).all() and (loaded(x) == factor * x).all()
-    # compiled outside the store, so kept by JAX's cache: a program from there is not stored
-    jax.jit(lambda x: 3 * factor * x).lower(x).compile()
-    from_jax_cache = store.key("thrice", x, {})
-    store.compile(jax.jit(lambda x: 3 * factor * x).lower(x), {}, from_jax_cache)
-    assert from_jax_cache not in store
     path = next(store.directory.glob("*.executable"))
     path.write_bytes(path.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="jaxllm.executables"):
         assert store.load(key) is None
     assert "could not load" in caplog.text
     assert store.num_loaded == 1
+
+
+def test_a_program_from_jaxs_cache_is_not_stored(tmp_path):
+    if startup.configure_compilation_cache() is None:
+        pytest.skip("$JAXLLM_COMPILATION_CACHE is empty: JAX's cache is off, nothing comes from it")
+    store = ExecutableStore(tmp_path, jax.devices()[:1])
+    factor = random.random()  # a program new to JAX's cache
+    x = jnp.arange(4.0)
+    jax.jit(lambda x: 3 * factor * x).lower(x).compile()  # outside the store: JAX's cache keeps it
+    key = store.key("thrice", x, {})
+    compiled = store.compile(jax.jit(lambda x: 3 * factor * x).lower(x), {}, key)
+    assert key not in store and (compiled(x) == 3 * factor * x).all()
 
 
 def test_without_a_directory_nothing_is_kept():
