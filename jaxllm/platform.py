@@ -34,9 +34,6 @@ GPU_DECODE_STEPS = 8
 # ones and compile in a fraction of the time (no autotuning); steps of fewer rows run faster on
 # XLA's own (docs/performance.md).
 CUBLAS_FROM_ROWS = 64
-# NOTE: XLA's autotuning took a third of a cold start-up's compiling on an H200; turned off by
-# XLA's flag, no benchmark moved by more than 1% (docs/performance.md).
-GPU_AUTOTUNE = False
 # NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
 CPU_KV_CACHE_BYTES = 2 << 30
 CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL = "random:qwen3-tiny", "random:qwen3-0.6b"
@@ -140,7 +137,6 @@ class Platform:
             decode=backend,
             interpret=not self.nvidia,
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
-            autotune=GPU_AUTOTUNE or not self.nvidia,
         )
 
     @property

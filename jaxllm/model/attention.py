@@ -40,27 +40,23 @@ class Kernels:
         interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
         cublas_from_rows: steps of this many rows or more run their matmuls on cuBLAS, not on
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
-        autotune: XLA times candidate kernels (GEMM tilings, cuBLAS algorithms) as it compiles
-            and keeps the fastest; off, it takes its heuristics' choice.
     """
 
     prefill: str = "reference"
     decode: str = "reference"
     interpret: bool = False
     cublas_from_rows: int | None = None
-    autotune: bool = True
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):
             if (name := getattr(self, kind)) not in names:
                 raise ValueError(f"{kind} kernel must be one of {names}, not {name!r}")
 
-    def compiler_options(self, num_rows: int) -> dict[str, bool | int]:
+    def compiler_options(self, num_rows: int) -> dict[str, bool]:
         """XLA options of a program of `num_rows` rows (tokens)."""
-        options: dict[str, bool | int] = {} if self.autotune else {"xla_gpu_autotune_level": 0}
         if self.cublas_from_rows is not None and num_rows >= self.cublas_from_rows:
-            options["xla_gpu_enable_triton_gemm"] = False
-        return options
+            return {"xla_gpu_enable_triton_gemm": False}
+        return {}
 
     @property
     def custom_calls(self) -> bool:
