@@ -104,9 +104,9 @@ def _no_jax_cache_writes() -> contextlib.AbstractContextManager:
 
 class ExecutableStore:
     """Compiled programs in a folder of `directory` for this environment, one file a key;
-    without a directory, none (every program compiled, nothing kept). Folders no store has
-    opened for `STALE_DAYS` are deleted: their environment is likely gone (an older jaxllm,
-    jax or device).
+    without a directory, or with one it cannot make, none (every program compiled, nothing
+    kept). Folders no store has opened for `STALE_DAYS` are deleted: their environment is
+    likely gone (an older jaxllm, jax or device).
 
     Loading runs code from the files (pickles): the directory must be as trusted as the
     program.
@@ -118,10 +118,15 @@ class ExecutableStore:
     def __init__(self, directory: str | Path | None = None, devices: Sequence = ()) -> None:
         self.directory = None
         if directory is not None:
-            self.directory = Path(directory) / environment()[:16]
-            self.directory.mkdir(parents=True, exist_ok=True)
-            os.utime(self.directory)  # opened now
-            _delete_stale(self.directory.parent)
+            folder = Path(directory) / environment()[:16]
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                os.utime(folder)  # opened now
+            except OSError as error:  # e.g. a read-only cache: every program compiled
+                logger.warning("no store of executables in %s: %s", directory, error)
+            else:
+                self.directory = folder
+                _delete_stale(folder.parent)
         self.devices = list(devices)
         self.num_loaded = 0
         self._lock = threading.Lock()  # programs load on the runner's compiling threads

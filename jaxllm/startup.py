@@ -51,10 +51,14 @@ DEFAULT_MAX_MODEL_LEN = 4096
 def configure_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache, for the process, in `$JAXLLM_COMPILATION_CACHE`
     (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already; returns
-    the cache's directory (None: no cache)."""
+    the cache's directory (None: no cache, with a warning where the directory cannot be made)."""
     directory = os.path.expanduser(os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE))
     if directory and not jax.config.jax_compilation_cache_dir:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # e.g. a read-only home: every program compiled, none kept
+            logger.warning("no compilation cache (set %s): %s", COMPILATION_CACHE_ENV, error)
+            return None
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import subprocess
+import sys
 import time
 
 import jax
@@ -111,8 +113,14 @@ def test_a_program_from_jaxs_cache_is_not_stored(tmp_path):
     assert key not in store and (compiled(x) == 3 * factor * x).all()
 
 
-def test_without_a_directory_nothing_is_kept():
-    store = ExecutableStore()
+@pytest.mark.parametrize("directory", ["none", "under a file"])
+def test_without_a_directory_nothing_is_kept(directory, tmp_path, caplog):
+    blocker = tmp_path / "file"  # a cache it cannot make, as in a read-only home
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="jaxllm.executables"):
+        store = ExecutableStore(None if directory == "none" else blocker / "cache")
+    assert store.directory is None
+    assert ("no store of executables" in caplog.text) == (directory != "none")
     twice = jax.jit(lambda x: 2 * x)
     x = jnp.arange(4.0)
     key = store.key("twice", x)
@@ -139,3 +147,23 @@ def test_programs_loaded_on_the_gpu_give_the_tokens_of_the_compiled_ones(
         for llm in (first, second)
     ]
     assert tokens[0] == tokens[1]
+
+
+def test_a_cache_directory_that_cannot_be_made_leaves_the_engine_working(tmp_path):
+    """`$JAXLLM_COMPILATION_CACHE` under a file: `LLM()` warns, compiles what it needs, keeps
+    nothing, and generates (a process of its own: the cache is set once per process)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = dict(os.environ, JAXLLM_COMPILATION_CACHE=str(blocker / "cache"), JAX_PLATFORMS="cpu")
+    script = (
+        "from jaxllm import LLM, SamplingParams\n"
+        "llm = LLM(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32)\n"
+        "output = llm.generate(['Hello'], SamplingParams(max_tokens=4, temperature=0))[0]\n"
+        "print('tokens', len(output.outputs[0].token_ids), llm.engine.runner.executables.directory)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens 4 None" in run.stdout
+    assert "no compilation cache (set JAXLLM_COMPILATION_CACHE)" in run.stderr
