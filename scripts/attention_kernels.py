@@ -56,6 +56,9 @@ def main() -> None:
     )
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
+    parser.add_argument(
+        "--splits", type=int, nargs="+", default=[1, 4, 8], help="key splits beside the default"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -88,7 +91,8 @@ def main() -> None:
                 .set(values.reshape(batch * per_seq, page, KV_HEADS, DIM))
             )
             tables = jnp.asarray(tables)
-            candidates = [("fa3", {})] + [("jaxllm", o) for o in jaxllm_options(args.sweep)]
+            options = jaxllm_options(args.sweep, args.splits)
+            candidates = [("fa3", {})] + [("jaxllm", o) for o in options]
             if args.jax_pallas:
                 for block_k in (64, 128):
                     if block_k >= page:
@@ -123,7 +127,7 @@ def repeated(fn, times: int):
     return jax.jit(run)
 
 
-def jaxllm_options(sweep: str) -> list[dict]:
+def jaxllm_options(sweep: str, splits: list[int]) -> list[dict]:
     if sweep == "launch":
         return [
             dict(rows=rows, num_warps=warps, num_stages=stages)
@@ -132,7 +136,7 @@ def jaxllm_options(sweep: str) -> list[dict]:
             for stages in (2, 3)
         ]
     # {}: the default (num_splits_for: 2 per sequence at G=256, 4 at G=128, 8 at G=64).
-    return [{}, dict(num_splits=1), dict(num_splits=4), dict(num_splits=8)]
+    return [{}] + [dict(num_splits=n) for n in splits]
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):
