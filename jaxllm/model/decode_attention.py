@@ -30,7 +30,9 @@ ROWS = 64
 NUM_WARPS, NUM_STAGES = 4, 2
 # Aim for this many programs per step (the H200 has 132 multiprocessors).
 TARGET_PROGRAMS = 512
-MAX_SPLITS = 16
+# NOTE: a small batch's few sequences are split finely, each program a short loop: one sequence
+# of 512 keys 17 us with 64 splits vs 25 with 16 (docs/performance.md).
+MAX_SPLITS = 64
 _MASK_VALUE = -1e30
 
 

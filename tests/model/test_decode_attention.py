@@ -66,7 +66,9 @@ def test_kernel_equals_reference_in_float32(heads, kv_heads, head_dim, block_siz
 
 def test_splits_fill_the_gpu_for_small_batches():
     assert num_splits_for(256, 16, 256, 8) == 2
-    assert num_splits_for(8, 16, 256, 8) == 16
+    assert num_splits_for(16, 16, 256, 8) == 32
+    assert num_splits_for(8, 16, 256, 8) == 64
+    assert num_splits_for(8, 2, 256, 8) == 16  # each split at least 4 tiles of the table
     assert num_splits_for(1, 1, 16, 1) == 1  # a one-tile table is never split
 
 
