@@ -5,9 +5,9 @@ program on the main thread (docs/performance.md); it keeps every other program o
 
 A key hashes all a program depends on: this process's environment (`environment`: the jaxllm
 source, the versions of jax, its plugins, flax and numpy, XLA_FLAGS, jax's config, the devices)
-and what the runner gives (`ExecutableStore.key`): its static settings, the program's function,
-the abstract values (shape, dtype, weak type, sharding) and static values of its arguments, and
-XLA's options.
+and what the runner gives (`ExecutableStore.key`): the program's function and what it closes
+over (`depends_on`: the model's settings only for the model's programs), the abstract values
+(shape, dtype, weak type, sharding) and static values of its arguments, and XLA's options.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from jax._src import config as jax_config
 from jax.experimental import serialize_executable
+from jax.sharding import Mesh
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,20 @@ def _installation() -> str:
     devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
     digest.update(repr((versions, devices, jax.devices()[0].client.platform_version)).encode())
     return digest.hexdigest()
+
+
+def depends_on(jitted: Any, settings: tuple, mesh: Mesh) -> tuple:
+    """What a jitted partial over `mesh` depends on besides its arguments: its function's name,
+    the values it closes over, and the mesh; `settings` where it closes over a function (a
+    model's forward pass, made of those settings).
+
+    NOTE: so a program that closes over plain values alone (a sampler) is shared by the models
+    that compile it alike, e.g. two sizes of one vocabulary.
+    """
+    closed = jitted.__wrapped__
+    values = (*closed.args, *closed.keywords.values())
+    bound = settings if any(map(callable, values)) else (closed.args, closed.keywords)
+    return jitted.__name__, bound, mesh, mesh.device_ids.tolist()
 
 
 def _abstract(leaf: Any) -> Any:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm import steps
-from jaxllm.executables import ExecutableStore
+from jaxllm.executables import ExecutableStore, depends_on
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
@@ -148,9 +148,8 @@ class ModelRunner:
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
-        # NOTE: what the programs depend on besides their arguments (`ExecutableStore.key`)
-        self._settings = (config, kernels, mesh, mesh.device_ids.tolist(), max_sampled_rows)
-        self._settings += (max_logprobs, processed_logprobs)
+        # NOTE: what the model's programs depend on besides their arguments (`depends_on`)
+        self._settings = (config, kernels, max_sampled_rows)
         self.executables = executables or ExecutableStore()  # none: every program compiled
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
         self.warn_on_compile = False  # set once the whole ladder is compiled
@@ -260,8 +259,8 @@ class ModelRunner:
         ):
             futures = {}
             for table, key, lower, xla_options in programs:
-                name = lower.func.__self__.__name__  # the jitted function's, e.g. "sample_step"
-                stored = store.key(self._settings, name, lower.args, lower.keywords, xla_options)
+                program = depends_on(lower.func.__self__, self._settings, self.mesh)
+                stored = store.key(program, lower.args, lower.keywords, xla_options)
                 if stored in store:
                     future = pool.submit(store.load, stored)
                 else:

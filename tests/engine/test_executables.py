@@ -1,6 +1,6 @@
 """The runner's programs kept on disk: a second start loads them without tracing, a model that
-differs only in a value baked into its programs gets its own, and a damaged file is compiled
-again (`jaxllm.executables`)."""
+differs only in a value baked into its programs gets its own (and shares the samplers), and a
+damaged file is compiled again (`jaxllm.executables`)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def traced_step_programs(build):
     return [name for name in traced if name in STEP_PROGRAMS], result
 
 
-def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own(
+def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own_model_programs(
     compilation_cache, greedy_prompts, tmp_path
 ):
     # the same weights (seed 0): only the rotation tells the two models apart
@@ -59,7 +59,11 @@ def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own(
     assert traced == []
     runner = second.engine.runner
     assert runner.executables.num_loaded == runner.num_executables > 0
-    third = make_llm_with(other.path, **SETTINGS)
+    # its model's programs its own, the samplers' and logprobs' shared (the same vocabulary)
+    traced, third = traced_step_programs(lambda: make_llm_with(other.path, **SETTINGS))
+    assert set(traced) == {"forward_step"}
+    runner = third.engine.runner
+    assert runner.executables.num_loaded == runner.num_executables - len(traced) > 0
     prompts = greedy_prompts[5:8]  # 33 to 100 tokens
     expected = {
         name: [checkpoint.greedy(prompt, NUM_GREEDY_TOKENS) for prompt in prompts]
