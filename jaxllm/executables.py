@@ -68,14 +68,15 @@ def _installation() -> str:
 def depends_on(jitted: Any, settings: tuple, mesh: Mesh) -> tuple:
     """What a jitted partial over `mesh` depends on besides its arguments: its function's name,
     the values it closes over, and the mesh; `settings` where it closes over a function (a
-    model's forward pass, made of those settings).
+    model's forward pass, made of those settings) or is not a partial of a plain function.
 
     NOTE: so a program that closes over plain values alone (a sampler) is shared by the models
     that compile it alike, e.g. two sizes of one vocabulary.
     """
-    closed = jitted.__wrapped__
-    values = (*closed.args, *closed.keywords.values())
-    bound = settings if any(map(callable, values)) else (closed.args, closed.keywords)
+    closed, bound = jitted.__wrapped__, settings
+    if isinstance(closed, functools.partial) and getattr(closed.func, "__closure__", 1) is None:
+        values = (*closed.args, *closed.keywords.values())
+        bound = settings if any(map(callable, values)) else (closed.args, closed.keywords)
     return jitted.__name__, bound, mesh, mesh.device_ids.tolist()
 
 
