@@ -9,6 +9,7 @@
 #   bash scripts/device_run.sh kernels:--cases,1x512,--splits,8,32,64  # the decode kernel's splits
 #   bash scripts/device_run.sh startup  # cold and warm start-up: imports, phases, compilations
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
+#   bash scripts/device_run.sh forward-call:--addresses,--batch,1,--context,512  # by input addresses
 #   bash scripts/device_run.sh cb-bench:json:--json-schema  # CUDA graph updates in a bench run
 #   bash scripts/device_run.sh xla:gpu_enable_command_buffer=+WHILE:fixed:1:512:512  # one more XLA flag
 #   bash scripts/device_run.sh decode-args:--batch,1,--context,512  # one row's decode step, profiled
@@ -82,6 +83,9 @@ for stage in "$@"; do
     startup) logged "$stage" 60 $ONE_GPU python3 scripts/startup_profile.py \
       --json "$RECORDS/$stage.json" ;;
     forward-call) logged "$stage" 12 $ONE_GPU python3 "$ROOT/scripts/forward_call_time.py" --generate ;;
+    forward-call:*)  # forward-call:<forward_call_time.py arguments, comma-separated>
+      args=${stage#forward-call:}
+      logged "forward-call${args//,/}" 12 $ONE_GPU python3 "$ROOT/scripts/forward_call_time.py" ${args//,/ } ;;
     cb-updates)  # which buffers make XLA update the command buffers (CUDA graphs) in generate
       rm -rf /tmp/cbdump
       $ONE_GPU env TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 \

@@ -7,6 +7,12 @@ the params as the engine made them and as copies (one copy op per param, or one 
 the whole tree). Then traces 20 idle calls and sums the host's profiler events by name: where
 the call's time goes. Prints the medians and the events.
 
+With `--addresses`, times the calls of the bucket's forward pass back to back, the host's time
+per call and the wall time per call of 100 queued ones, with its small inputs (the packed host
+arrays, the previous step's tokens) new device buffers every call (XLA re-records the step's CUDA
+graph when an address changes), the same buffers every call, or copied first into buffers of
+fixed addresses by a program of their own (donated, so updated in place).
+
 With `--generate`, times the forward calls of the decode steps of `generate` (by
 default 256 prompts of 500 tokens, 150 output tokens each; the first run compiles), the device
 busy and then idle before each call, and sums the host's events of one traced run per decode
@@ -19,6 +25,7 @@ import argparse
 import collections
 import glob
 import itertools
+import sys
 import tempfile
 import time
 
@@ -26,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.steps import pack
 
 
 def call_times(call, runs: int) -> tuple[float, float]:
@@ -72,12 +80,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--generate", action="store_true")
+    parser.add_argument("--addresses", action="store_true")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=150)
     args = parser.parse_args()
     if args.generate:
         in_generate(args.model, args.prompts, args.prompt_len, args.max_tokens)
+        return
+    if args.addresses:
+        by_address(args.model, args.batch, args.context, args.runs)
         return
     llm = LLM(args.model, compile_at_startup=False, max_num_seqs=args.batch)
     engine = llm.engine
@@ -118,6 +130,77 @@ def main() -> None:
     print(f"{'params':32} {'idle':>8} {'queued':>8}")
     for name, idle, queued in rows:
         print(f"{name:32} {idle:8.3f} {queued:8.3f}")
+
+
+def by_address(model: str, batch: int, context: int, runs: int) -> None:
+    llm = LLM(model, compile_at_startup=False, max_num_seqs=max(batch, 8))
+    engine = llm.engine
+    runner = engine.runner
+    blocks = -(-context // engine.scheduler.config.block_size)
+    bucket = engine.scheduler.ladder.decode_bucket(batch, blocks)
+    runner.compile([bucket], use_tqdm=False)
+    inputs, _ = bucket.padding()
+    host = pack((*inputs, np.full(bucket.num_tokens, -1, np.int32)))
+    tokens = [jax.device_put(np.zeros(runner.max_sampled_rows, np.int32)) for _ in range(5)]
+    stage = jax.jit(lambda buffers, new: new, donate_argnums=0)
+    staged = [jax.device_put(host), tokens[0] + 0]
+    fixed = jax.device_put(host)
+
+    def forward(packed, previous):
+        # NOTE: the logits are dropped at once, as the engine's step drops them: the next
+        # call's logits take the same address
+        _, runner.kv_cache = runner._forward_executables[bucket](
+            runner.params, runner.kv_cache, packed, previous
+        )
+
+    def new_buffers(i):
+        forward(host, tokens[i % 5])
+
+    def same_buffers(i):
+        forward(fixed, tokens[0])
+
+    def staged_buffers(i):
+        staged[:] = stage(staged, [host, tokens[i % 5]])
+        forward(*staged)
+
+    noop = jax.jit(lambda x: x + 1)
+
+    def trivial(i):
+        noop(tokens[0])
+
+    rows = []
+    calls = [("new", new_buffers), ("same", same_buffers), ("staged", staged_buffers)]
+    for name, call in [*calls, ("x + 1", trivial)]:
+        print(f"=== inputs: {name}", file=sys.stderr, flush=True)
+        for i in range(10):
+            call(i)
+        jax.block_until_ready(runner.kv_cache)
+        host_ms, idle_ms = [], []
+        for i in range(runs):
+            start = time.perf_counter()
+            call(i)
+            jax.block_until_ready(runner.kv_cache)
+            idle_ms.append(1e3 * (time.perf_counter() - start))
+        start_all = time.perf_counter()
+        for i in range(100):
+            start = time.perf_counter()
+            call(i)
+            host_ms.append(1e3 * (time.perf_counter() - start))
+        jax.block_until_ready(runner.kv_cache)
+        wall = 1e3 * (time.perf_counter() - start_all) / 100
+        rows.append((name, np.median(host_ms), wall, np.median(idle_ms)))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for i in range(20):
+            same_buffers(i)
+        jax.block_until_ready(runner.kv_cache)
+    print("\nhost events per call, the same inputs every call")
+    for name, ms, count in host_events(trace_dir, 20)[:24]:
+        print(f"{ms:9.3f} ms {count:7.1f}x  {name[:90]}")
+    print(f"\n{model}, {bucket}: forward calls, ms")
+    print(f"{'inputs':8} {'host/call':>10} {'wall/call':>10} {'one call':>10}")
+    for name, host_ms, wall, idle in rows:
+        print(f"{name:8} {host_ms:10.3f} {wall:10.3f} {idle:10.3f}")
 
 
 def in_generate(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> None:
