@@ -4,7 +4,7 @@ The "pallas" decode kernel of `attention.Kernels`; off a GPU it runs interpreted
 program reads a tile of `ROWS` consecutive cache rows of one block ([tokens, K, H] is
 contiguous) as ROWS (token, kv head) keys, scores all N query heads against them in one matmul
 and masks each head to its own kv head's columns. Long contexts are split over `num_splits`
-programs whose partial softmax results are merged afterwards.
+programs whose partial softmax results a second kernel merges (`_merge_kernel`).
 NOTE: all kv heads in one program: decode is bound by the cache reads, so the masked multiply-adds
 are free, while a thread block per (sequence, kv head) pays a fixed cost that dominates at short
 contexts and groups of 2 query heads (FlashAttention-3; docs/performance.md).
@@ -90,6 +90,16 @@ def _decode_kernel(
     o_ref[...], m_ref[...], total_ref[...] = carry
 
 
+def _merge_kernel(acc_ref, m_ref, total_ref, o_ref):
+    """Merges one sequence's splits for a group of heads: acc [S, HB, H], m and total [S, HB]
+    -> o [HB, H], normalised."""
+    m = m_ref[...]
+    weight = jnp.exp(m - m.max(axis=0)[None, :])  # [S, HB]
+    total = (total_ref[...] * weight).sum(axis=0)
+    out = (acc_ref[...] * weight[:, :, None]).sum(axis=0)
+    o_ref[...] = (out / jnp.maximum(total, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
 def tile_rows(block_size: int, num_kv_heads: int, rows: int = ROWS) -> int | None:
     """The kernel's tile (cache rows) for this cache layout, or None if it has none: a power of
     two >= 16 inside one block that the kv heads (per device) divide, into a number of tokens
@@ -103,10 +113,11 @@ def tile_rows(block_size: int, num_kv_heads: int, rows: int = ROWS) -> int | Non
 def num_splits_for(
     num_sequences: int, table_width: int, block_size: int, num_kv_heads: int, rows: int = ROWS
 ) -> int:
-    """Key-range splits per sequence: enough programs to fill the GPU, each >= 4 tiles."""
+    """Key-range splits per sequence: enough programs to fill the GPU, each >= 4 tiles; a
+    power of two (the merge kernel's blocks are)."""
     tiles = table_width * block_size * num_kv_heads // rows
     wanted = max(1, TARGET_PROGRAMS // num_sequences)
-    return int(max(1, min(MAX_SPLITS, wanted, tiles // 4)))
+    return 1 << (max(1, min(MAX_SPLITS, wanted, tiles // 4)).bit_length() - 1)
 
 
 @functools.partial(
@@ -134,7 +145,8 @@ def paged_decode_attention(
         key_pool, value_pool: [P, BS, K, H] the cache's blocks.
         block_tables: [G, W] int32 each sequence's blocks.
         context_lens: [G] int32 keys each sequence attends to (the first ones of its blocks).
-        num_splits: programs per sequence (default `num_splits_for`).
+        num_splits: programs per sequence (default `num_splits_for`), rounded up to a power
+            of two.
         rows, num_warps, num_stages, interpret: the tile (cache rows), Triton's launch settings,
             and Pallas' interpreter (tests on a CPU).
     """
@@ -149,6 +161,7 @@ def paged_decode_attention(
             f"into a number of tokens that divides the block size)"
         )
     splits = num_splits or num_splits_for(num_sequences, width, block_size, num_kv_heads, rows)
+    splits = pl.next_power_of_2(splits)
     padded_heads = max(16, pl.next_power_of_2(num_heads))
     q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))
     pool_shape = (num_blocks, block_size * num_kv_heads, head_dim)
@@ -182,9 +195,21 @@ def paged_decode_attention(
         interpret=interpret,
         name="jaxllm_paged_decode",
     )(block_tables, context_lens, q, key_pool.reshape(pool_shape), value_pool.reshape(pool_shape))
-    # Merge the splits' partial softmax results.
-    m_max = m.max(axis=1, keepdims=True)  # [G, 1, M]
-    weight = jnp.exp(m - m_max)  # [G, S, M]
-    total = (total * weight).sum(axis=1)  # [G, M]
-    out = (acc * weight[..., None]).sum(axis=1) / jnp.maximum(total, 1e-30)[..., None]
-    return out[:, :num_heads].astype(q.dtype)
+    # NOTE: one launch, where XLA's merge took four fusions (docs/performance.md); a program
+    # merges HB heads of one sequence, HB x S x H <= 8K partial outputs.
+    most = max(1, 8192 // (splits * head_dim))
+    heads_per_program = min(padded_heads, pl.next_power_of_2(most))
+    out = pl.pallas_call(
+        _merge_kernel,
+        grid=(num_sequences, padded_heads // heads_per_program),
+        in_specs=[
+            pl.BlockSpec((None, splits, heads_per_program, head_dim), lambda g, j: (g, 0, j, 0)),
+            *[pl.BlockSpec((None, splits, heads_per_program), lambda g, j: (g, 0, j))] * 2,
+        ],
+        out_specs=pl.BlockSpec((None, heads_per_program, head_dim), lambda g, j: (g, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_sequences, padded_heads, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="jaxllm_merge_splits",
+    )(acc, m, total)
+    return out[:, :num_heads]

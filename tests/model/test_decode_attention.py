@@ -70,6 +70,7 @@ def test_splits_fill_the_gpu_for_small_batches():
     assert num_splits_for(8, 16, 256, 8) == 64
     assert num_splits_for(8, 2, 256, 8) == 16  # each split at least 4 tiles of the table
     assert num_splits_for(1, 1, 16, 1) == 1  # a one-tile table is never split
+    assert num_splits_for(1, 3, 32, 8) == 2  # 12 tiles: 3 splits of 4, down to a power of two
 
 
 @pytest.mark.gpu
