@@ -12,6 +12,7 @@ over (`depends_on`: the model's settings only for the model's programs), the abs
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -23,7 +24,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,27 @@ class ExecutableStore:
         if getattr(hits, "count", 0) == before:
             self._save(key, compiled)
         return compiled
+
+    def build(
+        self,
+        programs: Iterable[tuple[str, Callable[[], jax.stages.Lowered], dict]],
+        threads: int,
+        done: Callable[[int, jax.stages.Compiled], None],
+    ) -> None:
+        """Loads or compiles each program `(key, lower, options)` on `threads` threads, calling
+        `done(index, executable)` here as each is ready. A program not stored under `key` is
+        lowered here while those before it compile (or load) on the threads; one that fails to
+        load is compiled again."""
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {}
+            for index, (key, lower, options) in enumerate(programs):
+                if key in self:
+                    futures[pool.submit(self.load, key)] = index, key, lower, options
+                else:
+                    futures[pool.submit(self.compile, lower(), options, key)] = index, None, 0, 0
+            for future in concurrent.futures.as_completed(futures):
+                index, key, lower, options = futures[future]
+                done(index, future.result() or self.compile(lower(), options, key))
 
     def _save(self, key: str, compiled: jax.stages.Compiled) -> None:
         try:

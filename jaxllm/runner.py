@@ -30,10 +30,10 @@ from jaxllm.executables import ExecutableStore, depends_on
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
-from jaxllm.model.kv_cache import allocate_kv_cache
+from jaxllm.model.kv_cache import allocate_above_a_gap, allocate_kv_cache
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
-from jaxllm.model.sampler import SAMPLER_MODES, sampler_mode
+from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched.plan import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, padding_step, previous_rows
@@ -44,12 +44,6 @@ logger = logging.getLogger(__name__)
 # NOTE: XLA's compiler releases the GIL and most of one compile is single-threaded, so start-up
 # compiles this many executables at once on threads (as JetStream's AOT warm-up does).
 COMPILE_THREADS = 8
-
-# NOTE: a free gap below the KV cache for each step's small buffers (packed inputs, tokens, the
-# structured outputs' token bitmask): carved above it they move the step's temporaries, and XLA
-# re-records its CUDA graph, 1.5 ms of host time per qwen3-0.6b decode step on an H200 where
-# replaying takes 0.6 (docs/performance.md). This much, plus a bitmask of every sampled row.
-SMALL_BUFFERS_BYTES = 2 << 20
 
 
 def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -152,15 +146,13 @@ class ModelRunner:
         self._settings = (config, kernels, max_sampled_rows)
         self.executables = executables or ExecutableStore()  # none: every program compiled
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
-        self.warn_on_compile = False  # set once the whole ladder is compiled
+        # The buckets compiled at start-up (`compile_ladder`); none: each compiled when a step
+        # first needs it.
+        self.ladder: tuple[Bucket, ...] = ()
 
     def _allocate_kv_cache(self) -> Any:
-        bitmask_words = self.max_sampled_rows * -(-self.config.vocab_size // 32)
-        gap = np.zeros(SMALL_BUFFERS_BYTES // 4 + bitmask_words, np.int32)
-        gap = jax.device_put(gap, self._replicated)
-        kv_cache = self._allocate()
-        gap.delete()
-        return kv_cache
+        bitmask_bytes = 4 * self.max_sampled_rows * -(-self.config.vocab_size // 32)
+        return allocate_above_a_gap(self._allocate, bitmask_bytes, self._replicated)
 
     def reset(self) -> None:
         """Forgets the steps dispatched so far and allocates the KV cache again (empty: the
@@ -248,30 +240,41 @@ class ModelRunner:
             for n in rows for mode in sampler_modes
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
-        store, total = self.executables, len(programs)
-        workers = max(1, min(COMPILE_THREADS, total, os.cpu_count() or 1))
-        # NOTE: each program is loaded from `executables` or lowered here while those before it
-        # compile (or load) on the threads, under the partitioner the steps need.
-        with (
+
+        def stored(lower: functools.partial, xla_options: dict) -> str:
+            program = depends_on(lower.func.__self__, self._settings, self.mesh)
+            return self.executables.key(program, lower.args, lower.keywords, xla_options)
+
+        def done(index: int, executable: jax.stages.Compiled) -> None:
+            table, key = programs[index][:2]
+            table[key] = executable
+            bar.update(1)
+
+        total = len(programs)
+        threads = max(1, min(COMPILE_THREADS, total, os.cpu_count() or 1))
+        with (  # NOTE: lowered under the partitioner the steps need
             tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar,
             partitioner_for(self.mesh, self.kernels.custom_calls),
-            concurrent.futures.ThreadPoolExecutor(workers) as pool,
         ):
-            futures = {}
-            for table, key, lower, xla_options in programs:
-                program = depends_on(lower.func.__self__, self._settings, self.mesh)
-                stored = store.key(program, lower.args, lower.keywords, xla_options)
-                if stored in store:
-                    future = pool.submit(store.load, stored)
-                else:
-                    future = pool.submit(store.compile, lower(), xla_options, stored)
-                futures[future] = (table, key, lower, xla_options, stored)
-            for future in concurrent.futures.as_completed(futures):
-                table, key, lower, xla_options, stored = futures[future]
-                # NOTE: a stored program that failed to load (None) is compiled again
-                table[key] = future.result() or store.compile(lower(), xla_options, stored)
-                bar.update(1)
+            keyed = [(stored(lower, xla), lower, xla) for _, _, lower, xla in programs]
+            self.executables.build(keyed, threads, done)
         self.num_compiled += total
+
+    def compile_ladder(self, buckets: Iterable[Bucket]) -> None:
+        """Compiles every bucket a step can have (the ladder), with the samplers of
+        `STARTUP_SAMPLER_MODES` and no logprobs."""
+        self.ladder = tuple(buckets)
+        self.compile(self.ladder, sampler_modes=STARTUP_SAMPLER_MODES, logprobs=False)
+
+    def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool) -> None:
+        """Compiles what a step of `bucket` lacks: for a bucket of the ladder, the sampler
+        variant or logprobs for the whole ladder (their first use); another bucket alone."""
+        if bucket in self.ladder:
+            logger.info("compiling sampler %s, logprobs %s, for the ladder", mode, logprobs)
+        elif self.ladder:
+            logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
+        buckets = self.ladder if bucket in self.ladder else [bucket]
+        self.compile(buckets, use_tqdm=False, sampler_modes=[mode], logprobs=logprobs)
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
@@ -303,9 +306,7 @@ class ModelRunner:
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
         if not self._has_executables(bucket, mode, plan.logprobs):
-            if self.warn_on_compile:
-                logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
-            self.compile([bucket], use_tqdm=False, sampler_modes=[mode], logprobs=plan.logprobs)
+            self._compile_for(bucket, mode, plan.logprobs)
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
         arrays = (*plan.inputs, previous_rows(plan, previous_plan))
         logprobs = None

@@ -238,10 +238,9 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         )
     if config.compile_at_startup:
         with phase("compile"):
-            runner.compile(ladder.buckets())
+            runner.compile_ladder(ladder.buckets())
         with phase("warm up"):
             runner.warm_up()
-        runner.warn_on_compile = True
     return Engine(config, scheduler, runner, tokenizer, seconds)
 
 

@@ -13,9 +13,11 @@ Legend: L layers, NB blocks, BS block size, K kv heads, H head dim, T tokens.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
@@ -24,6 +26,12 @@ from jaxllm.model.sharding import logical_to_spec, tensor_parallel_size
 
 # The logical axes of the keys and of the values arrays (see sharding.py).
 KV_CACHE_AXES = ("layers", "blocks", "block_offset", "kv_heads", "head_dim")
+
+# NOTE: a free gap below the KV cache for each step's small buffers (packed inputs, tokens, the
+# structured outputs' token bitmask): carved above it they move the step's temporaries, and XLA
+# re-records its CUDA graph, 1.5 ms of host time per qwen3-0.6b decode step on an H200 where
+# replaying takes 0.6 (docs/performance.md). This much, and the runner's token bitmask.
+SMALL_BUFFERS_BYTES = 2 << 20
 
 
 @struct.dataclass
@@ -91,6 +99,17 @@ def allocate_kv_cache(
         )
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs())
     return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
+
+
+def allocate_above_a_gap(
+    allocate: Callable[[], KVCache], gap_bytes: int, sharding: NamedSharding
+) -> KVCache:
+    """`allocate()`'s cache, placed above a free gap of `SMALL_BUFFERS_BYTES` plus `gap_bytes`
+    (the allocator fills the lowest free addresses first)."""
+    gap = jax.device_put(np.zeros((SMALL_BUFFERS_BYTES + gap_bytes) // 4, np.int32), sharding)
+    kv_cache = allocate()
+    gap.delete()
+    return kv_cache
 
 
 def write_kv(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -205,3 +206,30 @@ def test_warm_up_runs_every_executable_once_and_writes_nothing(checkpoint):
     (output,) = llm.generate([prompt], greedy_params(8), use_tqdm=False)
     assert output.token_ids == checkpoint.greedy(prompt, 8)
     assert llm.num_compilations_since_startup == 0
+
+
+def test_other_sampler_variants_and_logprobs_compile_for_the_whole_ladder_on_first_use(
+    checkpoint,
+):
+    settings = COMPILED_AT_STARTUP | {"num_scheduler_steps": 4}
+    llm = LLM(checkpoint.path, **settings)
+    runner = llm.engine.runner
+    rows = {bucket.num_sampled for bucket in runner.ladder if bucket.num_steps == 1}
+    several = {bucket for bucket in runner.ladder if bucket.num_steps > 1}
+    assert several and {mode for _, mode in runner._sample_executables} == {"greedy", "random"}
+    assert not runner._logprob_executables
+    top_k = SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=12, ignore_eos=True)
+    # one step a plan (logprobs): top-k samplers and logprobs for every bucket of the ladder
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    (first,) = llm.generate(prompts[:1], dataclasses.replace(top_k, logprobs=2), use_tqdm=False)
+    compiled = llm.num_compilations_since_startup
+    assert {n for n, mode in runner._sample_executables if mode == "top-k"} == rows
+    assert set(runner._logprob_executables) == rows
+    assert {bucket for bucket, mode in runner._multi_step_executables if mode == "top-k"} == several
+    # several steps a plan, and more rows: compiled already
+    second = llm.generate(prompts, top_k, use_tqdm=False)
+    assert llm.num_compilations_since_startup == compiled
+    assert second[0].outputs[0].token_ids == first.outputs[0].token_ids
+    # the tokens of an engine that compiles each step's programs as it first needs them
+    lazy = LLM(checkpoint.path, **settings | {"compile_at_startup": False})
+    assert lazy.generate(prompts[:1], top_k, use_tqdm=False)[0].outputs == second[0].outputs

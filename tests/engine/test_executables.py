@@ -59,7 +59,7 @@ def test_a_second_start_loads_every_program_and_another_rotation_gets_its_own_mo
     assert traced == []
     runner = second.engine.runner
     assert runner.executables.num_loaded == runner.num_executables > 0
-    # its model's programs its own, the samplers' and logprobs' shared (the same vocabulary)
+    # its model's programs its own, the samplers' shared (the same vocabulary)
     traced, third = traced_step_programs(lambda: make_llm_with(other.path, **SETTINGS))
     assert set(traced) == {"forward_step"}
     runner = third.engine.runner
