@@ -6,8 +6,8 @@ Runs `--num-seqs` prompts of 512 tokens (each under bench.py's JSON schema with
 `--json-schema`), traces a stretch of decode steps with JAX's profiler and prints, in ms from the
 first traced step's start, what the host did (the engine's calls, annotated here: the engine
 carries no annotations) and which executables the device ran, merged from their kernels; then
-the device's idle time over the stretch and each executable's. The trace stays in `--trace-dir`
-for Perfetto.
+the device's idle share of the stretch (between kernels, and between executables) and each
+executable's time. The trace stays in `--trace-dir` for Perfetto.
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def annotate() -> None:
         setattr(cls, name, annotated)
 
 
-def events(trace_dir: str) -> list[tuple[int, int, str, str]]:
-    """(start ns, end ns, "host" or "device", label) of the annotated host calls and of the
-    device's executables (consecutive kernels of one module merged)."""
+Span = tuple[int, int, str, str]  # start ns, end ns, "host" or "device", label
+
+
+def events(trace_dir: str) -> tuple[list[Span], list[Span]]:
+    """The annotated host calls and the device's executables (consecutive kernels of one module
+    merged), in time order; and the device's kernels and copies themselves."""
     from jax.profiler import ProfileData
 
     [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -71,32 +74,46 @@ def events(trace_dir: str) -> list[tuple[int, int, str, str]]:
                 elif plane.name.startswith("/device:GPU") and "Stream" in line.name:
                     module = str(dict(event.stats).get("hlo_module", event.name))
                     kernels.append((*span, "device", module))
+    kernels.sort()
     merged: list[list] = []
-    for start, end, _, module in sorted(kernels):
+    for start, end, _, module in kernels:
         if merged and merged[-1][3] == module and start - merged[-1][1] < MERGE_NS:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end, "device", module])
-    return sorted([*host, *map(tuple, merged)])
+    return sorted([*host, *map(tuple, merged)]), kernels
 
 
-def report(spans: list[tuple[int, int, str, str]], first_step: int, num_steps: int) -> None:
+def busy_ns(spans: list[Span], begin: int, end: int) -> int:
+    """The time within [begin, end) that at least one of the (sorted) spans covers."""
+    busy, cursor = 0, begin
+    for start, stop, _, _ in spans:
+        busy += max(0, min(stop, end) - max(start, cursor))
+        cursor = max(cursor, stop)
+    return busy
+
+
+def report(spans: list[Span], kernels: list[Span], first_step: int, num_steps: int) -> None:
+    """The spans of `num_steps` steps from `first_step` on; the device's idle share of them,
+    between its kernels (every gap) and between its executables (gaps of `MERGE_NS` or more),
+    counting the work of the step before that runs into the first (the host dispatches ahead)."""
     steps = [span for span in spans if span[3] == "step"]
     begin, end = steps[first_step][0], steps[first_step + num_steps][0]
     shown = [span for span in spans if begin <= span[0] < end]
     print(f"{'start ms':>9} {'end ms':>9}  {'side':6} what")
     for start, stop, side, label in shown:
         print(f"{(start - begin) / 1e6:9.3f} {(stop - begin) / 1e6:9.3f}  {side:6} {label}")
-    busy, cursor = 0, begin
+    device = [span for span in spans if span[2] == "device" and span[1] > begin]
+    window = end - begin
+    idle_kernels = 1 - busy_ns([k for k in kernels if k[1] > begin], begin, end) / window
+    idle_executables = 1 - busy_ns(device, begin, end) / window
+    print(
+        f"\n{num_steps} steps, {window / num_steps / 1e6:.3f} ms a step; device idle "
+        f"{idle_kernels:.1%} between kernels, {idle_executables:.1%} between executables"
+    )
     by_module: dict[str, int] = collections.defaultdict(int)
-    for start, stop, side, label in shown:
-        if side != "device":
-            continue
-        by_module[label] += stop - start
-        busy += max(0, min(stop, end) - max(start, cursor))
-        cursor = max(cursor, stop)
-    per_step, idle = (end - begin) / num_steps / 1e6, 1 - busy / (end - begin)
-    print(f"\n{num_steps} steps, {per_step:.3f} ms a step; device idle {idle:.1%}")
+    for start, stop, _, label in device:
+        by_module[label] += max(0, min(stop, end) - max(start, begin))
     for module, total in sorted(by_module.items(), key=lambda item: -item[1]):
         print(f"  {module[:60]:60s} {total / num_steps / 1e6:7.3f} ms a step")
 
@@ -125,8 +142,8 @@ def main() -> None:
     options.python_tracer_level = 0  # tracing every Python call would slow the host down
     with jax.profiler.trace(trace_dir, profiler_options=options):
         llm.generate(prompts, params, use_tqdm=False)
-    spans = events(trace_dir)
-    report(spans, first_step=args.steps, num_steps=args.steps)
+    spans, kernels = events(trace_dir)
+    report(spans, kernels, first_step=args.steps, num_steps=args.steps)
     print(f"trace: {trace_dir}")
 
 
