@@ -205,11 +205,13 @@ class ExecutableStore:
             futures = {}
             for index, (key, lower, options) in enumerate(programs):
                 if key in self:
-                    futures[pool.submit(self.load, key)] = index, key, lower, options
+                    future = pool.submit(self.load, key)
                 else:
-                    futures[pool.submit(self.compile, lower(), options, key)] = index, None, 0, 0
+                    future = pool.submit(self.compile, lower(), options, key)
+                futures[future] = index, key, lower, options
             for future in concurrent.futures.as_completed(futures):
                 index, key, lower, options = futures[future]
+                # NOTE: a stored program that failed to load (None) is compiled again
                 done(index, future.result() or self.compile(lower(), options, key))
 
     def _save(self, key: str, compiled: jax.stages.Compiled) -> None:
