@@ -1,10 +1,10 @@
 """Start-up: from a model name and the settings to a serving `Engine`.
 
 `start_engine` reads the model's config and settles the settings, then runs the phases in order,
-each timed (`Engine.startup_seconds`): load the weights and the tokenizer (while the largest step
-compiles for the KV cache's size), size the KV cache from the free device memory, allocate it,
-and (unless left to the first steps) compile the ladder's executables, or load them from the
-persistent compilation cache, and run each once.
+each timed (`Engine.startup_seconds`): load the weights (the tokenizer loading and the largest
+step compiling for the KV cache's size beside them), size the KV cache from the free device
+memory, allocate it, and (unless left to the first steps) compile the ladder's executables, or
+load them from the persistent compilation cache, and run each once.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     # (fewer executables, the same work); the portable attention gathers whole tables.
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    is_random = path.startswith(RANDOM_PREFIX)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         measured = None  # the future of the largest step's scratch bytes
         if platform.gpu and not config.num_kvcache_blocks:
             # NOTE: compiled while the weights and the tokenizer load (seconds, cold). Under TP
@@ -179,11 +180,13 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             measured = pool.submit(
                 step_scratch_bytes, model_config, mesh, largest, block_size, kernels
             )
+        # NOTE: loaded while the weights load: the embedded tokenizer takes seconds to build
+        # where it is not cached yet, a model directory's imports torch where torch is installed
+        loaded_tokenizer = pool.submit(load_tokenizer, None if is_random else path)
         with phase("load weights"):
             model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
-        is_random = path.startswith(RANDOM_PREFIX)
         with phase("load the tokenizer"):
-            tokenizer = load_tokenizer(None if is_random else path)
+            tokenizer = loaded_tokenizer.result()
         with phase("size the KV cache"):
             scratch = measured.result() if measured else None
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
