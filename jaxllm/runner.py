@@ -241,9 +241,10 @@ class ModelRunner:
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
 
-        def stored(lower: functools.partial, xla_options: dict) -> str:
-            program = depends_on(lower.func.__self__, self._settings, self.mesh)
-            return self.executables.key(program, lower.args, lower.keywords, xla_options)
+        def keyed(program: tuple) -> tuple[str, functools.partial, dict]:
+            *_, lower, options = program
+            closed = depends_on(lower.func.__self__, self._settings, self.mesh)
+            return self.executables.key(closed, lower.args, lower.keywords, options), lower, options
 
         def done(index: int, executable: jax.stages.Compiled) -> None:
             table, key = programs[index][:2]
@@ -252,12 +253,12 @@ class ModelRunner:
 
         total = len(programs)
         threads = max(1, min(COMPILE_THREADS, total, os.cpu_count() or 1))
-        with (  # NOTE: lowered under the partitioner the steps need
+        # NOTE: lowered under the partitioner the steps need; keyed as each is handed on (`map`)
+        with (
             tqdm(total=total, desc="Compiling buckets", disable=not use_tqdm or not total) as bar,
             partitioner_for(self.mesh, self.kernels.custom_calls),
         ):
-            keyed = [(stored(lower, xla), lower, xla) for _, _, lower, xla in programs]
-            self.executables.build(keyed, threads, done)
+            self.executables.build(map(keyed, programs), threads, done)
         self.num_compiled += total
 
     def compile_ladder(self, buckets: Iterable[Bucket]) -> None:
@@ -267,13 +268,12 @@ class ModelRunner:
         self.compile(self.ladder, sampler_modes=STARTUP_SAMPLER_MODES, logprobs=False)
 
     def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool) -> None:
-        """Compiles what a step of `bucket` lacks: for a bucket of the ladder, the sampler
-        variant or logprobs for the whole ladder (their first use); another bucket alone."""
-        if bucket in self.ladder:
+        """Compiles what a step of `bucket` lacks; for the whole ladder if `bucket` is in it."""
+        buckets = self.ladder if bucket in self.ladder else (bucket,)
+        if buckets is self.ladder:
             logger.info("compiling sampler %s, logprobs %s, for the ladder", mode, logprobs)
         elif self.ladder:
             logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
-        buckets = self.ladder if bucket in self.ladder else [bucket]
         self.compile(buckets, use_tqdm=False, sampler_modes=[mode], logprobs=logprobs)
 
     def warm_up(self) -> None:
