@@ -58,8 +58,12 @@ def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu():
 
 def test_cublas_takes_the_matmuls_of_large_steps_on_nvidia_gpus_only():
     kernels = H200.kernels(256, 8)
-    assert kernels.compiler_options(CUBLAS_FROM_ROWS) == {"xla_gpu_enable_triton_gemm": False}
-    assert kernels.compiler_options(CUBLAS_FROM_ROWS - 1) == {}  # XLA's own GEMMs and GEMVs
+    unchecked_autotuning = {"xla_gpu_autotune_level": 1}
+    assert kernels.compiler_options(CUBLAS_FROM_ROWS) == unchecked_autotuning | {
+        "xla_gpu_enable_triton_gemm": False
+    }
+    # XLA's own GEMMs and GEMVs
+    assert kernels.compiler_options(CUBLAS_FROM_ROWS - 1) == unchecked_autotuning
     for platform in (CPU, ROCM):
         assert platform.kernels(256, 8).compiler_options(1 << 14) == {}
 

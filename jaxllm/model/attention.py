@@ -52,11 +52,16 @@ class Kernels:
             if (name := getattr(self, kind)) not in names:
                 raise ValueError(f"{kind} kernel must be one of {names}, not {name!r}")
 
-    def compiler_options(self, num_rows: int) -> dict[str, bool]:
+    def compiler_options(self, num_rows: int) -> dict[str, bool | int]:
         """XLA options of a program of `num_rows` rows (tokens)."""
-        if self.cublas_from_rows is not None and num_rows >= self.cublas_from_rows:
-            return {"xla_gpu_enable_triton_gemm": False}
-        return {}
+        if self.cublas_from_rows is None:
+            return {}
+        # NOTE: XLA's autotuning without its correctness checks (level 1 of 4): programs as
+        # fast, compiled in less time (docs/performance.md).
+        options: dict[str, bool | int] = {"xla_gpu_autotune_level": 1}
+        if num_rows >= self.cublas_from_rows:
+            options["xla_gpu_enable_triton_gemm"] = False
+        return options
 
     @property
     def custom_calls(self) -> bool:
