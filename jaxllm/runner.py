@@ -30,7 +30,7 @@ from jaxllm.executables import ExecutableStore, depends_on
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
-from jaxllm.model.kv_cache import allocate_above_a_gap, allocate_kv_cache
+from jaxllm.model.kv_cache import KVCache, allocate_above_a_gap, allocate_kv_cache, kv_cache_shapes
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
@@ -53,11 +53,12 @@ def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeD
 
 
 class ModelRunner:
-    """Owns the params, the KV cache and the compiled executables.
+    """Owns the params, the KV cache and the compiled executables. It starts with neither params
+    (`update_params`) nor cache (`wake_up`): its programs compile from the shapes of both.
 
     Args:
         config: the model.
-        params: the param tree, sharded over `mesh` (`load_params(..., mesh=mesh)`).
+        param_shapes: the param tree's shapes, sharded over `mesh` (`sharded_param_shapes`).
         kernels: the attention kernels (`jaxllm.platform`).
         mesh: the "tp" mesh (`sharding.make_mesh`).
         num_blocks, block_size: the KV cache's capacity.
@@ -76,7 +77,7 @@ class ModelRunner:
     def __init__(
         self,
         config: Qwen3Config,
-        params: Params,
+        param_shapes: Params,
         *,
         kernels: Kernels,
         mesh: Mesh,
@@ -90,10 +91,8 @@ class ModelRunner:
         executables: ExecutableStore | None = None,
     ) -> None:
         self.config = config
-        self.params = params
-        self._param_shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-        )
+        self.params: Params | None = None
+        self._param_shapes = param_shapes
         self.kernels, self.mesh = kernels, mesh
         self.max_sampled_rows = max_sampled_rows
         self._processed_logprobs = processed_logprobs
@@ -136,7 +135,8 @@ class ModelRunner:
         self._allocate = jax.jit(
             functools.partial(allocate_kv_cache, config, num_blocks, block_size, mesh=mesh)
         )
-        self.kv_cache = self._allocate_kv_cache()
+        self.kv_cache: KVCache | None = None
+        self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
@@ -210,7 +210,7 @@ class ModelRunner:
         packed = functools.partial(_shapes, sharding=self._replicated)
         shape = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
         logits = {n: shape((n, self.config.vocab_size), jnp.float32) for n in rows}
-        params, cache, no_tokens = self.params, self.kv_cache, self._no_tokens
+        params, cache, no_tokens = self._param_shapes, self._cache_shapes, self._no_tokens
         options = self.kernels.compiler_options
         # (executables, key, lowering, compiler options): the model's first, as their compiles
         # take the longest

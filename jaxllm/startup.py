@@ -1,10 +1,10 @@
 """Start-up: from a model name and the settings to a serving `Engine`.
 
 `start_engine` reads the model's config and settles the settings, then runs the phases in order,
-each timed (`Engine.startup_seconds`): load the weights (the tokenizer loading and the largest
-step compiling for the KV cache's size beside them), size the KV cache from the free device
-memory, allocate it, and (unless left to the first steps) compile the ladder's executables, or
-load them from the persistent compilation cache, and run each once.
+each timed (`Engine.startup_seconds`): size the KV cache from the free device memory (the
+largest step compiled for its scratch memory), compile the ladder's executables (unless left to
+the first steps) or load them from the persistent compilation cache while the weights load
+(and the tokenizer, from the start), allocate the KV cache, and run each executable once.
 """
 
 from __future__ import annotations
@@ -28,9 +28,15 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.executables import ExecutableStore
 from jaxllm.model.attention import Kernels
-from jaxllm.model.checkpoint import RANDOM_PREFIX, check_fits, load_config, load_params
-from jaxllm.model.config import Qwen3Config
-from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_specs
+from jaxllm.model.checkpoint import (
+    RANDOM_PREFIX,
+    check_fits,
+    check_params_fit,
+    load_config,
+    load_params,
+)
+from jaxllm.model.config import Qwen3Config, param_bytes
+from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh, partitioner_for
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
@@ -151,8 +157,8 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     dtype = config.dtype or platform.dtype
     model_config = load_config(path, dtype)
     config = resolve_defaults(config, model_config, platform)
-    # NOTE: the "tp" mesh; load_params checks that it divides the heads before any read.
     mesh = make_mesh(config.tensor_parallel_size)
+    check_params_fit(model_config, mesh)  # and that the mesh divides the model
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile
@@ -171,55 +177,49 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     is_random = path.startswith(RANDOM_PREFIX)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        measured = None  # the future of the largest step's scratch bytes
-        if platform.gpu and not config.num_kvcache_blocks:
-            # NOTE: compiled while the weights and the tokenizer load (seconds, cold). Under TP
-            # with custom kernels it switches the process to GSPMD meanwhile: the weights are
-            # placed by their shardings alone, the same under either partitioner.
-            measured = pool.submit(
-                step_scratch_bytes, model_config, mesh, largest, block_size, kernels
-            )
-        # NOTE: loaded while the weights load: the embedded tokenizer takes seconds to build
-        # where it is not cached yet, a model directory's imports torch where torch is installed
-        loaded_tokenizer = pool.submit(load_tokenizer, None if is_random else path)
-        with phase("load weights"):
-            model_config, params = load_params(path, dtype=dtype, seed=config.seed, mesh=mesh)
-        with phase("load the tokenizer"):
-            tokenizer = loaded_tokenizer.result()
-        with phase("size the KV cache"):
-            scratch = measured.result() if measured else None
-            num_blocks = config.num_kvcache_blocks or fit_num_blocks(
-                config, model_config, scratch, largest, platform
-            )
-    # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
-    # embedded default.
-    if is_random:
-        eos = (tokenizer.eos_token_id, tokenizer.pad_token_id)
-    else:
-        eos = eos_token_ids(tokenizer, path)
-    settings = dataclasses.replace(
-        settings, eos_token_ids=tuple(int(t) for t in eos if t is not None)
-    )
-    if num_blocks * block_size < config.max_model_len:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
-            f"({num_blocks * block_size} tokens), less than one request of max_model_len="
-            f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or lower "
-            "max_model_len"
-        )
     per_block = kv_cache_bytes_per_block(
         model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
     )
-    check_fits(
-        f"the KV cache ({num_blocks} blocks of {block_size} tokens)", num_blocks * per_block, mesh
-    )
-    settings = dataclasses.replace(settings, num_blocks=num_blocks)
-    scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
-    with phase("allocate the KV cache"):
+    # NOTE: the device memory in use before this engine's weights (the KV cache is sized from it)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    params_bytes = param_bytes(model_config, config.tensor_parallel_size)
+    in_use = stats.get("bytes_in_use", 0) + params_bytes
+    if config.num_kvcache_blocks:
+        check_fits(
+            f"the params and the KV cache ({config.num_kvcache_blocks} blocks of {block_size} "
+            "tokens)",
+            params_bytes + config.num_kvcache_blocks * per_block,
+            mesh,
+        )
+    # NOTE: the programs compile from the shapes of the weights and the KV cache, so the weights
+    # load on a thread while they compile, once the KV cache is sized; the tokenizer from the
+    # start (seconds to build where it is not cached yet; a model directory's imports torch
+    # where torch is installed).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        loaded_tokenizer = pool.submit(load_tokenizer, None if is_random else path)
+        with phase("size the KV cache"):
+            scratch = None
+            if platform.gpu and not config.num_kvcache_blocks:
+                scratch = step_scratch_bytes(model_config, mesh, largest, block_size, kernels)
+            num_blocks = config.num_kvcache_blocks or fit_num_blocks(
+                config, model_config, scratch, largest, platform, in_use
+            )
+        if num_blocks * block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens), less than one request of max_model_len="
+                f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or "
+                "lower max_model_len"
+            )
+        load = functools.partial(load_params, path, dtype=dtype, seed=config.seed, mesh=mesh)
+        # NOTE: with several processes the weights are placed by collectives across them, which
+        # each process runs on its main thread, before anything else. Under TP with custom
+        # kernels the ladder's compile switches the process to GSPMD meanwhile: the weights are
+        # placed by their shardings alone, the same under either partitioner.
+        loaded_params = pool.submit(load) if jax.process_count() == 1 else _resolved(load())
         runner = ModelRunner(
             model_config,
-            params,
+            sharded_param_shapes(model_config, mesh),
             kernels=kernels,
             mesh=mesh,
             num_blocks=num_blocks,
@@ -239,12 +239,35 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             if cache is not None and jax.process_count() == 1
             else None,
         )
+        if config.compile_at_startup:
+            with phase("compile"):
+                runner.compile_ladder(ladder.buckets())
+        with phase("load weights"):  # what is left of it
+            runner.update_params(loaded_params.result()[1])
+        with phase("load the tokenizer"):
+            tokenizer = loaded_tokenizer.result()
+    with phase("allocate the KV cache"):
+        runner.wake_up()
     if config.compile_at_startup:
-        with phase("compile"):
-            runner.compile_ladder(ladder.buckets())
         with phase("warm up"):
             runner.warm_up()
+    # NOTE: Qwen3's generation config stops on <|im_end|> and <|endoftext|>; so does the
+    # embedded default.
+    if is_random:
+        eos = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        eos = eos_token_ids(tokenizer, path)
+    settings = dataclasses.replace(
+        settings, num_blocks=num_blocks, eos_token_ids=tuple(int(t) for t in eos if t is not None)
+    )
+    scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
     return Engine(config, scheduler, runner, tokenizer, seconds)
+
+
+def _resolved(value: Any) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def fit_num_blocks(
@@ -253,10 +276,12 @@ def fit_num_blocks(
     scratch: int | None,
     largest: Bucket,
     platform: Platform,
+    in_use: int,
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device beside the params and `scratch`,
-    the memory of the `largest` step (`step_scratch_bytes`; None: an estimate); on a CPU, the
-    blocks of max_num_seqs max_model_len requests within `CPU_KV_CACHE_BYTES`."""
+    """KV blocks that fit in `memory_fraction` of the device beside `in_use` bytes (the params
+    included) and `scratch`, the memory of the `largest` step (`step_scratch_bytes`; None: an
+    estimate); on a CPU, the blocks of max_num_seqs max_model_len requests within
+    `CPU_KV_CACHE_BYTES`."""
     block_size = config.kvcache_block_size
     per_block = kv_cache_bytes_per_block(
         model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
@@ -271,9 +296,9 @@ def fit_num_blocks(
         c = model_config
         scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
         scratch += config.max_num_seqs * c.vocab_size * 4 * 4
-    # NOTE: the params are already on the device, counted in bytes_in_use; the sampler's
-    # scratch is small beside the largest step's and comes out of the 10% margin.
-    free = limit - scratch - stats.get("bytes_in_use", 0)
+    # NOTE: the sampler's scratch is small beside the largest step's and comes out of the 10%
+    # margin.
+    free = limit - scratch - in_use
     return max(1, int(free // per_block))
 
 
@@ -286,15 +311,14 @@ def step_scratch_bytes(
     temporary buffers, plus its logits output. None where the backend gives no account.
     """
 
-    def on_mesh(x: Any, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
     forward = jax.jit(
         sharded_forward(config, mesh, kernels), donate_argnums=1, compiler_options=COMPILER_OPTIONS
     )
-    cache = jax.eval_shape(lambda: allocate_kv_cache(config, 1, block_size))
-    cache = jax.tree.map(on_mesh, cache, kv_cache_specs())
-    inputs = jax.tree.map(lambda x: on_mesh(x, PartitionSpec()), bucket.padding()[0])
+    cache = kv_cache_shapes(config, 1, block_size, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    inputs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), bucket.padding()[0]
+    )
     with partitioner_for(mesh, kernels.custom_calls):
         lowered = forward.lower(sharded_param_shapes(config, mesh), cache, inputs)
         compiled = lowered.compile(kernels.compiler_options(bucket.num_tokens))

@@ -101,6 +101,17 @@ def allocate_kv_cache(
     return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
 
 
+def kv_cache_shapes(config: Qwen3Config, num_blocks: int, block_size: int, mesh: Mesh) -> KVCache:
+    """The cache `allocate_kv_cache(..., mesh=mesh)` makes, as `jax.ShapeDtypeStruct`s sharded
+    over `mesh`; allocates nothing."""
+    cache = jax.eval_shape(lambda: allocate_kv_cache(config, num_blocks, block_size))
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        cache,
+        kv_cache_specs(),
+    )
+
+
 def allocate_above_a_gap(
     allocate: Callable[[], KVCache], gap_bytes: int, sharding: NamedSharding
 ) -> KVCache:

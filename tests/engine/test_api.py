@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -11,7 +12,8 @@ import pytest
 from support.engine import BASE_SETTINGS, assert_idle, greedy_params
 
 import jaxllm
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, startup
+from jaxllm.runner import ModelRunner
 
 PROMPT = "The capital of France is"
 # A small ladder compiled (and warmed up) at start-up.
@@ -160,18 +162,35 @@ def test_one_call_generate_with_the_embedded_default():
         jaxllm.llm._shared.clear()
 
 
-def test_startup_phases_account_for_the_compile(checkpoint):
+def test_startup_phases_account_for_the_compile(checkpoint, monkeypatch):
+    # the weights load while the ladder compiles: held until its compile starts
+    compiling, held = threading.Event(), []
+    compile_ladder, load_params = ModelRunner.compile_ladder, startup.load_params
+
+    def compile_ladder_and_tell(self, buckets):
+        compiling.set()
+        compile_ladder(self, buckets)
+
+    def load_params_once_compiling(*args, **kwargs):
+        held.append(compiling.wait(timeout=120))
+        return load_params(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "compile_ladder", compile_ladder_and_tell)
+    monkeypatch.setattr(startup, "load_params", load_params_once_compiling)
     start = time.perf_counter()
     llm = LLM(checkpoint.path, **COMPILED_AT_STARTUP)
     elapsed = time.perf_counter() - start
 
+    assert held == [True]
+
     phases = llm.startup_seconds
+    # the weights and the tokenizer load while the programs compile
     assert list(phases) == [
+        "size the KV cache",
+        "compile",
         "load weights",
         "load the tokenizer",
-        "size the KV cache",
         "allocate the KV cache",
-        "compile",
         "warm up",
     ]
     assert llm.compile_seconds == phases["compile"] > 0
