@@ -290,7 +290,7 @@ def fit_num_blocks(
     if not platform.gpu:
         wanted = config.max_num_seqs * blocks_per_seq
         return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0) * config.memory_fraction
     if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
         c = model_config
