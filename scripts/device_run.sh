@@ -25,6 +25,8 @@
 # llguidance; for grammar-backends also xgrammar, apache-tvm-ffi and pydantic.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
+# The first bench of a call runs about 0.5% slower than the later ones: order an A/B's benches
+# A B B A (bench-0.6b ab:bench-0.6b ab:bench-0.6b-warm bench-0.6b-warm).
 # Logs and records go to $RECORDS (default /tmp/records), tarred into $OUT/records.tgz at the
 # end; a table of the bench records is printed last.
 set -uo pipefail
