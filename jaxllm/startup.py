@@ -177,14 +177,13 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     is_random = path.startswith(RANDOM_PREFIX)
-    per_block = kv_cache_bytes_per_block(
-        model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
-    )
-    # NOTE: the device memory in use before this engine's weights (the KV cache is sized from it)
-    stats = jax.local_devices()[0].memory_stats() or {}
+    # NOTE: the device's memory before this engine's weights (the KV cache is sized from it)
+    memory = jax.local_devices()[0].memory_stats() or {}
     params_bytes = param_bytes(model_config, config.tensor_parallel_size)
-    in_use = stats.get("bytes_in_use", 0) + params_bytes
     if config.num_kvcache_blocks:
+        per_block = kv_cache_bytes_per_block(
+            model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
+        )
         check_fits(
             f"the params and the KV cache ({config.num_kvcache_blocks} blocks of {block_size} "
             "tokens)",
@@ -202,7 +201,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             if platform.gpu and not config.num_kvcache_blocks:
                 scratch = step_scratch_bytes(model_config, mesh, largest, block_size, kernels)
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
-                config, model_config, scratch, largest, platform, in_use
+                config, model_config, scratch, largest, platform, memory, params_bytes
             )
         if num_blocks * block_size < config.max_model_len:
             raise ValueError(
@@ -276,12 +275,13 @@ def fit_num_blocks(
     scratch: int | None,
     largest: Bucket,
     platform: Platform,
-    in_use: int,
+    memory: dict[str, int],
+    params_bytes: int,
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device beside `in_use` bytes (the params
-    included) and `scratch`, the memory of the `largest` step (`step_scratch_bytes`; None: an
-    estimate); on a CPU, the blocks of max_num_seqs max_model_len requests within
-    `CPU_KV_CACHE_BYTES`."""
+    """KV blocks that fit in `memory_fraction` of the device (its `memory_stats()` before the
+    params were placed) beside the params and `scratch`, the memory of the `largest` step
+    (`step_scratch_bytes`; None: an estimate); on a CPU, the blocks of max_num_seqs
+    max_model_len requests within `CPU_KV_CACHE_BYTES`."""
     block_size = config.kvcache_block_size
     per_block = kv_cache_bytes_per_block(
         model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
@@ -290,15 +290,14 @@ def fit_num_blocks(
     if not platform.gpu:
         wanted = config.max_num_seqs * blocks_per_seq
         return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit", 0) * config.memory_fraction
+    limit = memory.get("bytes_limit", 0) * config.memory_fraction
     if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
         c = model_config
         scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4
         scratch += config.max_num_seqs * c.vocab_size * 4 * 4
     # NOTE: the sampler's scratch is small beside the largest step's and comes out of the 10%
     # margin.
-    free = limit - scratch - in_use
+    free = limit - scratch - memory.get("bytes_in_use", 0) - params_bytes
     return max(1, int(free // per_block))
 
 
