@@ -233,16 +233,17 @@ class Engine:
         the outputs of the requests that finished.
 
         Outputs arrive one call after their last step. While the plan needs every sampled token
-        on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
-        step's tokens are applied first. A plan with grammars gets its masks while its forward
-        pass runs, and the step after it is planned then too (`_masks`). A step that raises (a
-        device error, an interrupt it did not hold back) resets the engine first (`reset`).
+        on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), or after a
+        speculative plan (`StepPlan.speculative`), the previous step's tokens are applied first.
+        A plan with grammars gets its masks from `_masks`. A step that raises (a device error,
+        an interrupt it did not hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         seconds = {"wait": 0.0, "masks": 0.0, "masks_late": 0}
         try:
-            if self.scheduler.needs_host_tokens:
+            speculated = self._in_flight is not None and self._in_flight[0].speculative
+            if self.scheduler.needs_host_tokens or speculated:
                 outputs += self._apply_in_flight(seconds)
             plan, self._next_plan = self._next_plan, None
             if plan is None:
@@ -283,18 +284,19 @@ class Engine:
         return finished
 
     def _masks(self, plan: StepPlan, seconds: dict, outputs: list, forward) -> np.ndarray:
-        """`plan`'s token bitmask, filled while its forward pass (`forward`: the future of its
-        logits) is dispatched and runs, after the step in flight is applied (its tokens advance
-        the grammars; its finished requests join `outputs`). The next step is planned here too,
-        so that its forward pass is dispatched right after this step's sampler. A step whose
-        forward pass ended before all this was done counts as late."""
+        """`plan`'s token bitmask, filled after the step in flight is applied (its tokens advance
+        the grammars; its finished requests join `outputs`). A speculative plan's (`forward`
+        None) before it is dispatched; for one step, while its forward pass (`forward`: the
+        future of its logits) is dispatched and runs, the next step planned then too so that its
+        forward pass follows this step's sampler at once (late: the forward pass was done)."""
         outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
         bitmask = self.grammars.bitmask(grammar_rows(plan), plan.bucket.num_sampled)
         seconds["masks"] += time.perf_counter() - start
-        if not self.scheduler.needs_host_tokens:
-            self._next_plan = self.scheduler.schedule()
-        seconds["masks_late"] += forward.done() and forward.result().is_ready()
+        if forward is not None:
+            if not self.scheduler.needs_host_tokens:
+                self._next_plan = self.scheduler.schedule()
+            seconds["masks_late"] += forward.done() and forward.result().is_ready()
         return bitmask
 
     def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:

@@ -139,6 +139,8 @@ class ModelRunner:
         self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+        self._all_allowed: dict[int, jax.Array] = {}  # sampled rows -> a bitmask of every token
+        self._mask_words = -(-config.vocab_size // 32)  # a token bitmask's int32 words a row
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # sampled rows ->
         # (sampled rows, sampler mode) -> executable
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}
@@ -146,12 +148,10 @@ class ModelRunner:
         self._settings = (config, kernels, max_sampled_rows)
         self.executables = executables or ExecutableStore()  # none: every program compiled
         self.num_compiled = 0  # executables built (or loaded from the persistent cache)
-        # The buckets compiled at start-up (`compile_ladder`); none: each compiled when a step
-        # first needs it.
-        self.ladder: tuple[Bucket, ...] = ()
+        self.ladder: tuple[Bucket, ...] = ()  # compiled at start-up; none: at first use
 
     def _allocate_kv_cache(self) -> Any:
-        bitmask_bytes = 4 * self.max_sampled_rows * -(-self.config.vocab_size // 32)
+        bitmask_bytes = 4 * self.max_sampled_rows * self._mask_words
         return allocate_above_a_gap(self._allocate, bitmask_bytes, self._replicated)
 
     def reset(self) -> None:
@@ -185,13 +185,8 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        executables = (
-            self._forward_executables,
-            self._sample_executables,
-            self._multi_step_executables,
-            self._logprob_executables,
-        )
-        return sum(map(len, executables))
+        tables = self._forward_executables, self._sample_executables, self._logprob_executables
+        return sum(map(len, tables)) + len(self._multi_step_executables)
 
     def compile(
         self,
@@ -223,7 +218,8 @@ class ModelRunner:
         ] + [
             (self._multi_step_executables, (bucket, mode), functools.partial(
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
-                packed(bucket.padding()[1]), no_tokens, bucket=bucket, mode=mode,
+                packed(bucket.padding()[1]), shape((bucket.num_sampled, self._mask_words),
+                jnp.int32), no_tokens, bucket=bucket, mode=mode,
             ), options(bucket.num_tokens))
             for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
         ] + [
@@ -292,17 +288,16 @@ class ModelRunner:
             greedy = SamplingInputs.padding(num_rows)
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
         for bucket, mode in self._multi_step_executables:
-            arrays = padding_step(bucket)
-            results.append(
-                self._run_steps(bucket, mode, arrays, bucket.padding()[1], self._no_tokens)[0]
-            )
+            step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens)
+            results.append(self._run_steps(bucket, mode, *step)[0])
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
     def execute(self, plan: StepPlan, masks: Callable | None = None) -> StepResult:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
-        without waiting for them. `masks`, for a one-step plan with constrained rows: called
-        with the future of the forward pass's logits while it is dispatched (the host's work
-        in it overlaps the dispatch and the device's), it gives the sampled rows' token bitmask."""
+        without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
+        rows' token bitmask: for one step, called with the future of the forward pass's logits
+        while it is dispatched (the host's work in it overlaps the dispatch and the device's);
+        for several, with None before the plan is dispatched (the first step's mask)."""
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
         if not self._has_executables(bucket, mode, plan.logprobs):
@@ -311,8 +306,8 @@ class ModelRunner:
         arrays = (*plan.inputs, previous_rows(plan, previous_plan))
         logprobs = None
         if bucket.num_steps > 1:
-            arrays = (*arrays, plan.step_slots)
-            tokens, last = self._run_steps(bucket, mode, arrays, sampling, previous_tokens)
+            arrays, bitmask = (*arrays, plan.step_slots), masks and masks(None)
+            tokens, last = self._run_steps(bucket, mode, arrays, sampling, bitmask, previous_tokens)
         else:
             logits, bitmask = self._dispatch_forward(bucket, arrays, previous_tokens, masks)
             processed = logits
@@ -347,16 +342,19 @@ class ModelRunner:
         mode: str,
         arrays: Sequence[np.ndarray],
         sampling: SamplingInputs,
+        bitmask: np.ndarray | None,
         previous_tokens: jax.Array,
     ) -> tuple[jax.Array, jax.Array]:
-        """Dispatches a plan of several decode steps; keeps its updated cache, returns the
-        tokens of every step and of the last."""
+        """Dispatches a plan of several decode steps, the first under `bitmask` (None: every
+        token allowed); keeps its updated cache, returns the tokens of every step and the last."""
+        rows = bucket.num_sampled
+        if bitmask is None and rows not in self._all_allowed:
+            every_token = self._on_devices(np.full((rows, self._mask_words), -1, np.int32))
+            self._all_allowed[rows] = jax.device_put(every_token, self._replicated)
+        bitmask = self._all_allowed[rows] if bitmask is None else bitmask
+        packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)))
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
-            self.params,
-            self.kv_cache,
-            self._on_devices(pack(arrays)),
-            self._on_devices(pack(sampling)),
-            previous_tokens,
+            self.params, self.kv_cache, *packed, self._on_devices(bitmask), previous_tokens
         )
         return tokens, last
 
@@ -395,6 +393,6 @@ class ModelRunner:
     def _on_devices(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A packed host array (equal in every process) as the executables take it: as it is
         with one process, a global array replicated over the mesh with several."""
-        if jax.process_count() == 1:
+        if jax.process_count() == 1 or isinstance(packed, jax.Array):
             return packed
         return jax.make_array_from_process_local_data(self._replicated, packed)

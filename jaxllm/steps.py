@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
+from jaxllm.model.logits_processors import apply_bitmask
 from jaxllm.model.sampler import processed_logits, sample, token_logprobs
 from jaxllm.sched.plan import Bucket, StepPlan
 
@@ -97,6 +98,7 @@ def decode_steps(
     kv_cache,
     packed,
     packed_sampling,
+    bitmask,
     previous_tokens,
     *,
     bucket,
@@ -105,7 +107,9 @@ def decode_steps(
 ):
     """A decode plan's K steps in one program: each step's sampled tokens are the next one's
     inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
-    Returns the tokens of every step [K, num_rows], those of the last [num_rows], the cache."""
+    `bitmask` [S, ceil(V / 32)] masks the first step's logits (structured outputs: the host
+    checks the later tokens, `SequenceGrammar.accept`). Returns the tokens of every step
+    [K, num_rows], those of the last [num_rows], the cache."""
     inputs, sampling_like = bucket.padding()
     shape = (bucket.num_steps, bucket.num_tokens)
     like = (*inputs, np.zeros(bucket.num_tokens, np.int32), np.zeros(shape, np.int32))
@@ -125,6 +129,7 @@ def decode_steps(
             context_lens=jnp.where(slots[j] >= 0, inputs.context_lens + j, 0),
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
+        logits = apply_bitmask(logits, jnp.where(j == 0, bitmask, -1))
         sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)
         return kv_cache, sampled, tokens.at[j].set(sampled)
 

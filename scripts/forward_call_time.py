@@ -13,6 +13,13 @@ arrays, the previous step's tokens) new device buffers every call (XLA re-record
 graph when an address changes), the same buffers every call, or copied first into buffers of
 fixed addresses by a program of their own (donated, so updated in place).
 
+With `--readback`, at one row: how long reading a step's sampled tokens back to the host takes
+while the next forward call is being made on another thread (the tokens ready on the device,
+held in device memory or written by their program to pinned host memory), and a constrained
+stream's steps as the engine runs them (the next forward call made right after the sampler's,
+on a thread; the tokens read back, `--mask-us` of grammar work, the mask applied, the sampler
+called), ms per token with each kind of tokens.
+
 With `--generate`, times the forward calls of the decode steps of `generate` (by
 default 256 prompts of 500 tokens, 150 output tokens each; the first run compiles), the device
 busy and then idle before each call, and sums the host's events of one traced run per decode
@@ -23,16 +30,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import functools
 import glob
 import itertools
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 import numpy as np
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, steps
 from jaxllm.steps import pack
 
 
@@ -81,6 +91,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--generate", action="store_true")
     parser.add_argument("--addresses", action="store_true")
+    parser.add_argument("--readback", action="store_true")
+    parser.add_argument("--mask-us", type=float, default=100.0)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=150)
@@ -90,6 +102,9 @@ def main() -> None:
         return
     if args.addresses:
         by_address(args.model, args.batch, args.context, args.runs)
+        return
+    if args.readback:
+        readback(args.model, args.context, args.runs, args.mask_us)
         return
     llm = LLM(args.model, compile_at_startup=False, max_num_seqs=args.batch)
     engine = llm.engine
@@ -201,6 +216,90 @@ def by_address(model: str, batch: int, context: int, runs: int) -> None:
     print(f"{'inputs':8} {'host/call':>10} {'wall/call':>10} {'one call':>10}")
     for name, host_ms, wall, idle in rows:
         print(f"{name:8} {host_ms:10.3f} {wall:10.3f} {idle:10.3f}")
+
+
+def readback(model: str, context: int, runs: int, mask_us: float) -> None:
+    llm = LLM(model, compile_at_startup=False, max_num_seqs=8)
+    runner = llm.engine.runner
+    blocks = -(-context // llm.engine.scheduler.config.block_size)
+    bucket = llm.engine.scheduler.ladder.decode_bucket(1, blocks)
+    runner.compile([bucket], use_tqdm=False, sampler_modes=["greedy"], logprobs=False)
+    inputs, sampling = bucket.padding()
+    previous = np.full(bucket.num_tokens, -1, np.int32)
+    previous[0] = 0  # the row's token is the one the previous step sampled
+    arrays = (*inputs, previous)
+    pinned = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
+    sample = functools.partial(steps.sample_step, num_rows=runner.max_sampled_rows, mode="greedy")
+    packed_sampling = pack(sampling)
+    logits = runner._run_forward(bucket, arrays, runner._no_tokens)
+    on_device = runner._replicated
+    samplers = {  # the tokens for the next forward pass, and for the host
+        name: jax.jit(lambda *a: (sample(*a),) * 2, out_shardings=(on_device, for_host))
+        .lower(logits, packed_sampling)
+        .compile()
+        for name, for_host in (("device", on_device), ("pinned host", pinned))
+    }
+    bitmask = np.full((1, -(-runner.config.vocab_size // 32)), -1, np.int32)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def forward(tokens):
+        return runner._run_forward(bucket, arrays, tokens)
+
+    def launch(tokens, started):
+        started.set()
+        start = time.perf_counter()
+        out = forward(tokens)
+        return start, time.perf_counter(), out
+
+    rows = []
+    for name, sampler in samplers.items():
+        for copy in (False, True):
+            if copy and name != "device":
+                continue
+            waits, left, calls = [], [], []
+            for _ in range(runs):
+                logits = forward(runner._no_tokens)
+                tokens, host_tokens = sampler(logits, packed_sampling)
+                if copy:
+                    host_tokens.copy_to_host_async()
+                jax.block_until_ready(host_tokens)
+                started = threading.Event()
+                future = pool.submit(launch, tokens, started)
+                started.wait()
+                time.sleep(2e-4)
+                start = time.perf_counter()
+                np.asarray(host_tokens)
+                waits.append(time.perf_counter() - start)
+                call_start, call_end, out = future.result()
+                left.append(call_end - start)
+                calls.append(call_end - call_start)
+                jax.block_until_ready(out)
+            label = name + (", copy started" if copy else "")
+            rows.append((label, *(1e3 * float(np.median(x)) for x in (waits, left, calls))))
+    loop = []
+    for name, sampler in samplers.items():
+        for _ in range(2):  # the first round warms up
+            logits = forward(runner._no_tokens)
+            tokens, host_tokens = sampler(logits, packed_sampling)
+            future = pool.submit(forward, tokens)
+            jax.block_until_ready(tokens)
+            start = time.perf_counter()
+            for _ in range(runs * 4):
+                np.asarray(host_tokens)
+                time.sleep(mask_us * 1e-6)  # the grammars advance, the masks fill
+                masked = runner.processors.mask(future.result(), bitmask, donate=True)
+                tokens, host_tokens = sampler(masked, packed_sampling)
+                future = pool.submit(forward, tokens)
+            jax.block_until_ready(future.result())
+            per_token = 1e3 * (time.perf_counter() - start) / (runs * 4)
+        loop.append((name, per_token))
+    print(f"\n{model}, {bucket}: tokens read back during the next forward call, ms (median)")
+    print(f"{'tokens':22} {'read back':>10} {'call left':>10} {'call':>8}")
+    for label, wait, call_left, call in rows:
+        print(f"{label:22} {wait:10.3f} {call_left:10.3f} {call:8.3f}")
+    print(f"constrained steps, {mask_us:.0f} us of grammar work each: ms per token")
+    for name, per_token in loop:
+        print(f"{name:22} {per_token:10.3f}")
 
 
 def in_generate(model: str, num_prompts: int, prompt_len: int, max_tokens: int) -> None:

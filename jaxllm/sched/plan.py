@@ -74,8 +74,7 @@ class BucketLadder:
         decode_sizes: decode batch sizes B (T = G = S = B): powers of two up to max_num_seqs.
         prefill_sizes: prefill token counts T: prefill_tile * 2**k up to max_num_batched_tokens.
         widths: block-table widths W: powers of two up to the blocks of max_model_len.
-        num_steps: K of the multi-step decode buckets, one per size of `multi_step_sizes`
-            (none when 1).
+        num_steps: K of the multi-step decode buckets (`multi_step_sizes`; none when 1).
     """
 
     decode_sizes: tuple[int, ...]
@@ -201,13 +200,17 @@ class StepPlan:
 
     @property
     def all_rows(self) -> bool:
-        """A prefill chunk of one sequence whose every row is sampled (prompt logprobs); its
-        sampled rows are the chunk's last row, then the others in order."""
+        """A one-sequence prefill chunk sampling every row (prompt logprobs), the last first."""
         return self.is_prefill and self.bucket.num_sampled == self.bucket.num_tokens
 
     @property
     def is_prefill(self) -> bool:
         return self.bucket.kind == "prefill"
+
+    @property
+    def speculative(self) -> bool:
+        """Several decode steps with constrained rows (`jaxllm.structured`)."""
+        return self.bucket.num_steps > 1 and any(seq.grammar is not None for seq in self.seqs)
 
     @property
     def num_seqs(self) -> int:

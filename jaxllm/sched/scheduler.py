@@ -29,7 +29,7 @@ from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import BucketLadder, StepPlan
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
-from jaxllm.structured import accept_tokens
+from jaxllm.structured import accept_tokens, mask_commutes
 
 
 class Scheduler:
@@ -193,7 +193,8 @@ class Scheduler:
         caches the block it completes if a later planned step computes it, and finishes the
         sequences that stop: a stop token or string once min_tokens are out, or a grammar that
         admits nothing more ("stop"), or max_tokens reached ("length"). Sequences finished
-        since the plan are skipped.
+        since the plan are skipped. A constrained row keeps the tokens its grammar accepts
+        (`accept_tokens`); after a refused one, the next plan computes the last kept again.
         """
         tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
@@ -201,28 +202,30 @@ class Scheduler:
         if plan.all_rows and logprobs is not None:
             plans.keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
-        if self.num_constrained:
-            accept_tokens(plan, tokens)
+        accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
         for index, (seq, samples, row, count) in enumerate(rows):
-            for token in row[:count] if samples else ():
-                if seq.is_finished:
-                    break
+            kept = accepted.get(index, count)
+            if kept < count:
+                end = seq.num_computed_tokens = seq.num_tokens + kept - 1
+                self.block_pool.truncate(seq.block_table, end + 1, seq.params.extra_args)
+            for num_read, token in enumerate(row[:kept] if samples and not seq.is_finished else []):
                 position = seq.num_tokens
                 seq.append_token(token, None if logprobs is None else logprobs[index])
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
-                reason = self._finish_reason(seq, token)
+                reason = self._finish_reason(seq, token, last=num_read + 1 == kept)
                 if reason is not None:
                     self._finish(seq, reason)
                     finished.append(seq)
+                    break
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why `seq` ends with its newest token `token`, if it does."""
+    def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
+        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read)."""
         # NOTE: the stop strings see every token, so their text stays whole.
         stop_string = seq.stop_strings is not None and seq.stop_strings(token)
         stop_token = token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens
-        if stop_string or stop_token or (seq.grammar is not None and seq.grammar.is_terminated):
+        if stop_string or stop_token or (last and seq.grammar and seq.grammar.is_terminated):
             return "stop"
         return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
@@ -330,18 +333,21 @@ class Scheduler:
     def _multi_step_counts(self) -> list[int] | None:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
-        something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs, logits
-        processing or a grammar, or the blocks are not free."""
+        something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
+        logits processing, or the blocks are not free. A constrained one must speculate
+        (`jaxllm.structured`) and not reach its last token (its blocks outlive a roll-back)."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if self.num_constrained or any(
-            seq.params.logprobs is not None or seq.processors is not None for seq in running
-        ):
+        if any(seq.params.logprobs is not None or seq.processors is not None for seq in running):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
-            end = min(seq.num_computed_tokens + steps, seq.num_prompt_tokens + seq.max_tokens - 1)
+            last = seq.num_prompt_tokens + seq.max_tokens - 1
+            end = min(seq.num_computed_tokens + steps, last)
+            grammar = seq.grammar
+            if grammar and not (end < last and grammar.speculates and mask_commutes(seq.params)):
+                return None
             ends.append(end)
             needed += max(0, -(-end // pool.block_size) - len(seq.block_table))
         if needed > pool.num_free_blocks:

@@ -4,6 +4,7 @@ an output valid, so every output at temperature 1 over many seeds must satisfy i
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import importlib
 import json
@@ -398,3 +399,117 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
     [output] = text_llm.generate("x", params, use_tqdm=False)
     assert re.fullmatch("a+", output.outputs[0].text)
     assert_idle(text_llm)
+
+
+@pytest.fixture(scope="module")
+def speculating_llm():
+    """`text_llm` with 4 decode steps a plan: constrained rows speculate past their first."""
+    from jaxllm import LLM
+
+    return LLM(
+        "random:qwen3-tiny", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
+        kvcache_block_size=16, compile_at_startup=False, num_scheduler_steps=4,
+    )  # fmt: skip
+
+
+# A free-text field: random tokens fit it often, so speculation is both accepted and refused.
+TEXT = StructuredOutputsParams(
+    json={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    disable_any_whitespace=True,
+)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        TEXT,
+        StructuredOutputsParams(regex="[a-z ]{0,40}x"),
+        StructuredOutputsParams(choice=["ab c", "d"]),
+    ],
+    ids=["json", "regex", "choice"],
+)
+def test_speculative_plans_sample_what_one_step_plans_do(
+    text_llm, speculating_llm, constraint, temperature
+):
+    """Constrained rows of several decode steps a plan: the first token under the mask, the
+    others checked by the grammar after; refused ones are sampled again under the mask. The
+    same seeds give the same tokens as one step a plan, stops included."""
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=60, seed=seed, structured_outputs=constraint
+        )
+        for seed in range(4)
+    ]
+    before = dataclasses.replace(speculating_llm.engine.grammars.speculation)
+    one_step = text_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
+    speculated = speculating_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
+    for alone, several in zip(one_step, speculated, strict=True):
+        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert several.outputs[0].finish_reason == alone.outputs[0].finish_reason
+    assert speculating_llm.engine.grammars.speculation.tokens > before.tokens
+    assert_idle(speculating_llm)
+
+
+def test_speculation_is_accepted_and_refused_and_backs_off(speculating_llm):
+    params = [
+        SamplingParams(temperature=0.6, max_tokens=120, seed=seed, structured_outputs=TEXT)
+        for seed in range(4)
+    ]
+    speculation = speculating_llm.engine.grammars.speculation
+    before = dataclasses.replace(speculation)
+    outputs = speculating_llm.generate(["Answer:"] * 4, params, use_tqdm=False)
+    tokens, accepted = speculation.tokens - before.tokens, speculation.accepted - before.accepted
+    assert 0 < accepted < tokens
+    # NOTE: 3 tokens past the first in each speculative plan; one-step plans in between.
+    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+    assert tokens < 3 * generated
+    assert_idle(speculating_llm)
+
+
+def test_filtered_constrained_rows_take_one_step_plans(text_llm, speculating_llm):
+    """Top-p keeps tokens by the masked logits: such a row does not speculate, and samples as
+    at one step a plan."""
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=40, seed=3, structured_outputs=TEXT
+    )
+    speculation = speculating_llm.engine.grammars.speculation
+    before = dataclasses.replace(speculation)
+    [several] = speculating_llm.generate("Answer:", params, use_tqdm=False)
+    [alone] = text_llm.generate("Answer:", params, use_tqdm=False)
+    assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert speculation == before
+
+
+def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
+    """A plan of 8 steps pays when it keeps about half its tokens; a row whose plans keep
+    fewer waits 16 one-step plans, then 32, ... up to 256, and a row that keeps all speculates
+    on."""
+    from jaxllm.structured import SPECULATION_WAIT, SequenceGrammar, Speculation
+
+    class Matcher:
+        accepted = 8
+
+        def try_consume_tokens(self, tokens):
+            return min(self.accepted, len(tokens))
+
+        def deep_copy(self):
+            return self
+
+    done = concurrent.futures.Future()
+    done.set_result([Matcher()])
+    grammar = SequenceGrammar(done, 0, None, Speculation())
+    assert grammar.ready and grammar.speculates
+    for _ in range(3):
+        assert grammar.accept(list(range(8))) == 8 and grammar.speculates
+    grammar.matcher.accepted = 1  # the first, masked, token only
+    waits = []
+    for _ in range(8):
+        assert grammar.accept(list(range(8))) == 1
+        waits.append(grammar._wait)
+        while not grammar.speculates:  # one-step plans
+            grammar._wait -= 1
+    first, most = SPECULATION_WAIT
+    tolerated = waits.index(first)  # failures after a run of successes
+    assert set(waits[:tolerated]) == {0} and tolerated <= 2
+    assert waits[tolerated:] == [min(first * 2**i, most) for i in range(8 - tolerated)]
