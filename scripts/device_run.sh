@@ -82,9 +82,6 @@ for stage in "$@"; do
       IFS=: read -r _ flag rest <<< "$stage"
       NESTED=1 RECORDS="$RECORDS/xla-${flag%%=*}" XLA_FLAGS="${XLA_FLAGS:-} --xla_$flag" \
         bash "$0" "$rest" ;;
-    scratch-layers:*)  # scratch-layers:<scratch_layers.py arguments, comma-separated>
-      args=${stage#scratch-layers:}
-      logged "scratch-layers${args//,/}" 12 $ONE_GPU python3 scripts/scratch_layers.py ${args//,/ } ;;
     startup) logged "$stage" 60 $ONE_GPU python3 scripts/startup_profile.py \
       --json "$RECORDS/$stage.json" ;;
     forward-call) logged "$stage" 12 $ONE_GPU python3 "$ROOT/scripts/forward_call_time.py" --generate ;;
