@@ -404,12 +404,7 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
 @pytest.fixture(scope="module")
 def speculating_llm():
     """`text_llm` with 4 decode steps a plan: constrained rows speculate past their first."""
-    from jaxllm import LLM
-
-    return LLM(
-        "random:qwen3-tiny", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
-        kvcache_block_size=16, compile_at_startup=False, num_scheduler_steps=4,
-    )  # fmt: skip
+    return make_text_llm(max_model_len=256, num_scheduler_steps=4)
 
 
 # A free-text field: random tokens fit it often, so speculation is both accepted and refused.
@@ -513,3 +508,17 @@ def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
     tolerated = waits.index(first)  # failures after a run of successes
     assert set(waits[:tolerated]) == {0} and tolerated <= 2
     assert waits[tolerated:] == [min(first * 2**i, most) for i in range(8 - tolerated)]
+
+
+def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm):
+    params = [
+        SamplingParams(temperature=0.6, max_tokens=48, seed=seed, structured_outputs=TEXT)
+        for seed in range(4)
+    ]
+    speculating = make_text_llm(tensor_parallel_size=2, num_scheduler_steps=4)
+    one_step, at_tp2 = (llm.generate(["Answer:"] * 4, params, use_tqdm=False)
+                        for llm in (text_llm, speculating))  # fmt: skip
+    for alone, several in zip(one_step, at_tp2, strict=True):
+        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert speculating.engine.grammars.speculation.accepted > 0
+    assert_idle(speculating)
