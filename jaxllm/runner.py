@@ -348,13 +348,13 @@ class ModelRunner:
         """Dispatches a plan of several decode steps, the first under `bitmask` (None: every
         token allowed); keeps its updated cache, returns the tokens of every step and the last."""
         rows = bucket.num_sampled
-        if bitmask is None and rows not in self._all_allowed:
+        if bitmask is None and rows not in self._all_allowed:  # kept on the device
             every_token = self._on_devices(np.full((rows, self._mask_words), -1, np.int32))
             self._all_allowed[rows] = jax.device_put(every_token, self._replicated)
-        bitmask = self._all_allowed[rows] if bitmask is None else bitmask
-        packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)))
+        bitmask = self._all_allowed[rows] if bitmask is None else self._on_devices(bitmask)
+        packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)), bitmask)
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
-            self.params, self.kv_cache, *packed, self._on_devices(bitmask), previous_tokens
+            self.params, self.kv_cache, *packed, previous_tokens
         )
         return tokens, last
 
@@ -393,6 +393,6 @@ class ModelRunner:
     def _on_devices(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A packed host array (equal in every process) as the executables take it: as it is
         with one process, a global array replicated over the mesh with several."""
-        if jax.process_count() == 1 or isinstance(packed, jax.Array):
+        if jax.process_count() == 1:
             return packed
         return jax.make_array_from_process_local_data(self._replicated, packed)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
@@ -38,7 +38,7 @@ from jaxllm.model.checkpoint import (
 from jaxllm.model.config import Qwen3Config, param_bytes
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
-from jaxllm.model.sharding import make_mesh, partitioner_for
+from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
 from jaxllm.sched import Bucket, BucketLadder, Scheduler, SchedulerConfig
@@ -314,9 +314,9 @@ def step_scratch_bytes(
         sharded_forward(config, mesh, kernels), donate_argnums=1, compiler_options=COMPILER_OPTIONS
     )
     cache = kv_cache_shapes(config, 1, block_size, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    on_mesh = replicated(mesh)
     inputs = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), bucket.padding()[0]
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_mesh), bucket.padding()[0]
     )
     with partitioner_for(mesh, kernels.custom_calls):
         lowered = forward.lower(sharded_param_shapes(config, mesh), cache, inputs)
