@@ -291,7 +291,7 @@ class Engine:
         forward pass follows this step's sampler at once (late: the forward pass was done)."""
         outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
-        bitmask = self.grammars.bitmask(grammar_rows(plan), plan.bucket.num_sampled)
+        bitmask = self.grammars.bitmask(plan)
         seconds["masks"] += time.perf_counter() - start
         if forward is not None:
             if not self.scheduler.needs_host_tokens:

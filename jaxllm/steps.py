@@ -86,10 +86,12 @@ def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucke
 
 
 def sample_step(logits, packed, *, num_rows: int, mode: str):
-    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape."""
+    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape. Returns
+    them twice: for the next step on the devices, and for the host (`ModelRunner` places that
+    copy in host memory)."""
     sampling = SamplingInputs(*unpack(packed, SamplingInputs.padding(logits.shape[0])))
-    tokens = sample(logits, sampling, mode=mode)
-    return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
+    tokens = jnp.pad(sample(logits, sampling, mode=mode), (0, num_rows - logits.shape[0]))
+    return tokens, tokens
 
 
 def decode_steps(
@@ -107,9 +109,10 @@ def decode_steps(
 ):
     """A decode plan's K steps in one program: each step's sampled tokens are the next one's
     inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
-    `bitmask` [S, ceil(V / 32)] masks the first step's logits (structured outputs: the host
-    checks the later tokens, `SequenceGrammar.accept`). Returns the tokens of every step
-    [K, num_rows], those of the last [num_rows], the cache."""
+    `bitmask` [S, ceil(V / 32)] masks every step's logits (structured outputs: the first step's
+    mask; the host checks the later tokens, `structured.accept_tokens`). Returns the tokens of
+    every step [K, num_rows] (for the host), those of the last [num_rows] (for the next plan),
+    the cache."""
     inputs, sampling_like = bucket.padding()
     shape = (bucket.num_steps, bucket.num_tokens)
     like = (*inputs, np.zeros(bucket.num_tokens, np.int32), np.zeros(shape, np.int32))
@@ -129,7 +132,7 @@ def decode_steps(
             context_lens=jnp.where(slots[j] >= 0, inputs.context_lens + j, 0),
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
-        logits = apply_bitmask(logits, jnp.where(j == 0, bitmask, -1))
+        logits = apply_bitmask(logits, bitmask)
         sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)
         return kv_cache, sampled, tokens.at[j].set(sampled)
 

@@ -234,7 +234,7 @@ def readback(model: str, context: int, runs: int, mask_us: float) -> None:
     logits = runner._run_forward(bucket, arrays, runner._no_tokens)
     on_device = runner._replicated
     samplers = {  # the tokens for the next forward pass, and for the host
-        name: jax.jit(lambda *a: (sample(*a),) * 2, out_shardings=(on_device, for_host))
+        name: jax.jit(sample, out_shardings=(on_device, for_host))
         .lower(logits, packed_sampling)
         .compile()
         for name, for_host in (("device", on_device), ("pinned host", pinned))

@@ -91,9 +91,9 @@ def check_tensor_parallel(config: Qwen3Config, tensor_parallel_size: int) -> Non
             raise ValueError(f"tensor_parallel_size={tp} must divide {name} ({size})")
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    """A copy on every device of the mesh."""
-    return NamedSharding(mesh, PartitionSpec())
+def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    """A copy on every device of the mesh (in its `memory_kind`, e.g. "pinned_host")."""
+    return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
 
 
 def shard_map(

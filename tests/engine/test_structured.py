@@ -386,7 +386,7 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
         finished.append(True)
         return logits
 
-    def failing_bitmask(rows, num_rows):
+    def failing_bitmask(plan):
         raise RuntimeError("mask filling failed")
 
     monkeypatch.setattr(runner, "_run_forward", slow_forward)
@@ -421,15 +421,17 @@ TEXT = StructuredOutputsParams(
         TEXT,
         StructuredOutputsParams(regex="[a-z ]{0,40}x"),
         StructuredOutputsParams(choice=["ab c", "d"]),
+        # NOTE: the first mask (tokens from "a") is narrower than the later ones.
+        StructuredOutputsParams(regex="a[a-z]{0,40}"),
     ],
-    ids=["json", "regex", "choice"],
+    ids=["json", "regex", "choice", "widening"],
 )
 def test_speculative_plans_sample_what_one_step_plans_do(
     text_llm, speculating_llm, constraint, temperature
 ):
-    """Constrained rows of several decode steps a plan: the first token under the mask, the
-    others checked by the grammar after; refused ones are sampled again under the mask. The
-    same seeds give the same tokens as one step a plan, stops included."""
+    """Constrained rows of several decode steps a plan: every token under the first one's
+    mask, the later ones checked on the host after; refused ones are sampled again under their
+    own mask. The same seeds give the same tokens as one step a plan, stops included."""
     params = [
         SamplingParams(
             temperature=temperature, max_tokens=60, seed=seed, structured_outputs=constraint
@@ -444,6 +446,34 @@ def test_speculative_plans_sample_what_one_step_plans_do(
         assert several.outputs[0].finish_reason == alone.outputs[0].finish_reason
     assert speculating_llm.engine.grammars.speculation.tokens > before.tokens
     assert_idle(speculating_llm)
+
+
+@pytest.mark.parametrize(
+    ("regex", "words", "kept"),
+    [
+        ("[a-z]{0,40}", ["the", "about", "and"], 3),  # later masks narrow the first: kept
+        ("a[a-z]{0,40}", ["a", "about", "and"], 1),  # the second allows "the", the first not
+        ("[a-z]{0,40}", ["the", "ABOUT", "and"], 1),  # the second token is not allowed
+    ],
+)
+def test_a_later_token_is_kept_where_its_mask_allows_it_and_no_more(text_llm, regex, words, kept):
+    """A speculative row's tokens were all sampled under its first mask: a later one is what a
+    one-step plan samples when its own mask allows it and allows nothing the first did not."""
+    from types import SimpleNamespace
+
+    from jaxllm.structured import accept_tokens
+
+    grammars = text_llm.engine.grammars
+    grammar = grammars.sequence_grammar(grammars.compile(StructuredOutputsParams(regex=regex)))
+    grammars.wait([grammar])
+    assert grammar.ready
+    seq = SimpleNamespace(grammar=grammar, is_finished=False)
+    bucket = SimpleNamespace(num_steps=3, num_sampled=1)
+    plan = SimpleNamespace(seqs=[seq], samples=[True], bucket=bucket, speculative=True)
+    grammars.bitmask(plan)  # the first step's mask
+    ids = [text_llm.tokenizer.encode(word) for word in words]
+    assert all(len(token) == 1 for token in ids)  # one token each
+    assert accept_tokens(plan, [[token for [token] in ids]], [3]) == {0: kept}
 
 
 def test_speculation_is_accepted_and_refused_and_backs_off(speculating_llm):
@@ -483,24 +513,20 @@ def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
     from jaxllm.structured import SPECULATION_WAIT, SequenceGrammar, Speculation
 
     class Matcher:
-        accepted = 8
-
-        def try_consume_tokens(self, tokens):
-            return min(self.accepted, len(tokens))
-
         def deep_copy(self):
             return self
 
     done = concurrent.futures.Future()
     done.set_result([Matcher()])
-    grammar = SequenceGrammar(done, 0, None, Speculation())
+    speculation = Speculation()
+    grammar = SequenceGrammar(done, 0, None, speculation)
     assert grammar.ready and grammar.speculates
     for _ in range(3):
-        assert grammar.accept(list(range(8))) == 8 and grammar.speculates
-    grammar.matcher.accepted = 1  # the first, masked, token only
+        grammar.settle(8, 8)
+        assert grammar.speculates
     waits = []
     for _ in range(8):
-        assert grammar.accept(list(range(8))) == 1
+        grammar.settle(1, 8)  # the first token only
         waits.append(grammar._wait)
         while not grammar.speculates:  # one-step plans
             grammar._wait -= 1
@@ -508,6 +534,7 @@ def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
     tolerated = waits.index(first)  # failures after a run of successes
     assert set(waits[:tolerated]) == {0} and tolerated <= 2
     assert waits[tolerated:] == [min(first * 2**i, most) for i in range(8 - tolerated)]
+    assert speculation == Speculation(tokens=11 * 7, accepted=3 * 7)
 
 
 def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm):
