@@ -103,13 +103,12 @@ class SequenceGrammar:
     def settle(self, accepted: int, tried: int) -> None:
         """Counts a speculative plan that kept `accepted` of the row's `tried` tokens (the first
         always); the row keeps speculating while it pays (`SPECULATION_WAIT`)."""
-        tokens = range(tried)
         self._stats.tokens += tried - 1
         self._stats.accepted += accepted - 1
         self._won = ACCEPTANCE_DECAY * self._won + accepted - 1
         self._tried = ACCEPTANCE_DECAY * self._tried + accepted - 1 + (accepted < tried)
         p = (self._won + 1) / (self._tried + 2)  # a token's acceptance
-        if 2 * sum(p**k for k in tokens) >= tried:  # expected tokens kept
+        if 2 * sum(p**k for k in range(tried)) >= tried:  # expected tokens kept
             self._backoff = 0
         else:
             first, most = SPECULATION_WAIT
