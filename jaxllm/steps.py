@@ -158,11 +158,12 @@ def logprob_step(logits, tokens, packed, *, num_rows: int, num_top: int, process
 
 
 class StepResult(NamedTuple):
-    """What `ModelRunner.execute` hands back, on the device, not waited for.
+    """What `ModelRunner.execute` hands back, not waited for.
 
     Attributes:
-        tokens: [max_sampled_rows] int32 sampled tokens, row i the token of `plan.seqs[i]`
-            (rows past the plan's are 0); a plan of K > 1 decode steps: [K, max_sampled_rows].
+        tokens: [max_sampled_rows] int32 sampled tokens in host memory, row i the token of
+            `plan.seqs[i]` (rows past the plan's are 0); a plan of K > 1 decode steps:
+            [K, max_sampled_rows].
         logprobs: for a plan with `plan.logprobs`, [max_sampled_rows, 2 + 2 * max_logprobs]
             (`sampler.token_logprobs`); else None.
     """
