@@ -108,3 +108,19 @@ def test_multi_step_plans_stop_mid_plan(make_llm, greedy_prompts, greedy_referen
         assert output.token_ids == expected[: index + 1]
         assert output.finish_reason == "stop"
     assert_idle(llm)
+
+
+def test_the_host_reads_sampled_tokens_from_host_memory(make_llm, greedy_prompts, monkeypatch):
+    """Each step's program writes the tokens the host reads to host memory, one step a plan
+    and several alike (the devices keep their own copy for the next step)."""
+    llm = make_llm(num_scheduler_steps=5)
+    engine, seen = llm.engine, set()
+    update = engine._update
+
+    def spying(plan, result):
+        seen.add((plan.bucket.num_steps, result.tokens.sharding.memory_kind))
+        return update(plan, result)
+
+    monkeypatch.setattr(engine, "_update", spying)
+    llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
+    assert seen == {(1, "pinned_host"), (5, "pinned_host")}
