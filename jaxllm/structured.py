@@ -29,6 +29,7 @@ import dataclasses
 import importlib
 import itertools
 import os
+import time
 
 import numpy as np
 
@@ -51,10 +52,12 @@ ACCEPTANCE_DECAY = 0.75
 
 @dataclasses.dataclass
 class Speculation:
-    """Constrained rows' tokens past the first in plans of several steps, and those accepted."""
+    """Constrained rows' tokens past the first in plans of several steps, those accepted, and
+    the host's seconds checking them (their masks filled; the device waits for the next plan)."""
 
     tokens: int = 0
     accepted: int = 0
+    seconds: float = 0.0
 
 
 class SequenceGrammar:
@@ -138,7 +141,7 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         for _, grammar in rows:
             grammar._wait = max(0, grammar._wait - 1)
         return kept
-    llguidance_numpy = importlib.import_module("llguidance.numpy")
+    start, llguidance_numpy = time.perf_counter(), importlib.import_module("llguidance.numpy")
     live = [(row, grammar) for row, grammar in rows if not grammar.is_terminated]
     for step in range(1, max(counts)):
         live = [(row, grammar) for row, grammar in live if step < counts[row]]
@@ -160,6 +163,7 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         live = [(row, grammar) for row, grammar in live if not grammar.is_terminated]
     for row, grammar in rows:
         grammar.settle(kept[row], counts[row])
+    rows[0][1]._stats.seconds += time.perf_counter() - start
     return kept
 
 

@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_masks_late_steps": stats.get("decode_masks_late_steps"),
         "speculated_tokens": llm.engine.grammars.speculation.tokens,
         "speculated_tokens_accepted": llm.engine.grammars.speculation.accepted,
+        "speculation_check_s": llm.engine.grammars.speculation.seconds,
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "startup_phases_s": llm.startup_seconds,

@@ -486,6 +486,7 @@ def test_speculation_is_accepted_and_refused_and_backs_off(speculating_llm):
     outputs = speculating_llm.generate(["Answer:"] * 4, params, use_tqdm=False)
     tokens, accepted = speculation.tokens - before.tokens, speculation.accepted - before.accepted
     assert 0 < accepted < tokens
+    assert speculation.seconds > before.seconds
     # NOTE: 3 tokens past the first in each speculative plan; one-step plans in between.
     generated = sum(len(output.outputs[0].token_ids) for output in outputs)
     assert tokens < 3 * generated
