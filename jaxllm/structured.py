@@ -13,11 +13,14 @@ parallel across rows); the device applies them to the logits
 
 Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too, while
 they speculate (`SequenceGrammar.speculates`): every token of a row is sampled under the mask of
-its first, and the host keeps the longest prefix that one-step plans would sample
-(`accept_tokens`). For greedy rows and rows without top-k, top-p or min-p (`mask_commutes`) a
-later token is such a token when its own mask allows it and allows nothing the first mask did
-not: the best token of the first mask is the best of any part of it that holds it. The
-scheduler rolls the row back to the end of that prefix.
+its first (or, in the row's other mode, without a mask), and the host keeps the longest prefix
+that one-step plans would sample (`accept_tokens`). For greedy rows and rows without top-k,
+top-p or min-p (`mask_commutes`) a token drawn under the first mask is such a token when its own
+mask allows it and allows nothing the first did not (the best token of the first mask is the
+best of any part of it that holds it); one drawn without a mask, when its own mask allows it.
+The first mask suits a grammar whose masks stay alike (a string's characters, random weights);
+drawing without suits a model that follows the grammar through changing ones (a trained model
+through a JSON object's keys). The scheduler rolls the row back to the end of that prefix.
 
 llguidance is an optional dependency (`pip install 'jaxllm[structured]'`), imported on first use.
 """
@@ -42,9 +45,10 @@ EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured
 # fill in 0.94 ms on 8 threads, 2.79 from one compiled matcher (docs/performance.md).
 MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 # A row speculates while a plan is expected to keep at least half its tokens, from the row's
-# recent acceptance (keeping 77% of them, one H200 stream ran at 482 vs 444 tok/s at one step a
-# plan; docs/performance.md). Otherwise it waits this many one-step plans before it tries
-# again, twice as many after each try that fails, up to the second figure.
+# recent acceptance in its mode (keeping 77% of them, one H200 stream ran at 482 vs 444 tok/s at
+# one step a plan; docs/performance.md); else it takes the other mode. When that fails at once
+# too, it waits this many one-step plans before it tries again (under the first mask), twice as
+# many after each such wait, up to the second figure.
 SPECULATION_WAIT = (16, 256)
 # The weight of a row's earlier plans in its acceptance, per plan.
 ACCEPTANCE_DECAY = 0.75
@@ -65,8 +69,8 @@ class SequenceGrammar:
     once compiled."""
 
     __slots__ = (
-        "_backoff", "_compiled", "_executor", "_family", "_matcher", "_stats", "_tried", "_wait",
-        "_won", "first_mask",
+        "_backoff", "_compiled", "_executor", "_family", "_matcher", "_stats", "_switched",
+        "_tried", "_wait", "_won", "first_mask", "unmasked",
     )  # fmt: skip
 
     def __init__(
@@ -77,7 +81,10 @@ class SequenceGrammar:
         self._executor = executor
         self._stats = stats
         self._matcher = None
-        self._won = self._tried = 0.0  # later tokens kept and tried, decayed
+        # NOTE: per mode (first mask, unmasked): later tokens kept and tried, decayed
+        self._won, self._tried = [0.0, 0.0], [0.0, 0.0]
+        self.unmasked = False  # the row's mode: its speculative plans' tokens drawn unmasked
+        self._switched = False  # the last plan failed in the other mode
         self._backoff = 0  # the one-step plans of the last wait
         self._wait = 0  # one-step plans left before the row speculates again
         self.first_mask: np.ndarray | None = None  # the mask of its speculative plan's first step
@@ -100,22 +107,31 @@ class SequenceGrammar:
 
     @property
     def speculates(self) -> bool:
-        """Whether the row may sample tokens past its first under its first one's mask."""
+        """Whether the row may take plans of several steps (speculative; `settle`)."""
         return self._wait == 0
 
-    def settle(self, accepted: int, tried: int) -> None:
-        """Counts a speculative plan that kept `accepted` of the row's `tried` tokens (the first
-        always); the row keeps speculating while it pays (`SPECULATION_WAIT`)."""
+    def settle(self, kept: int, tried: int) -> None:
+        """Counts a speculative plan that kept `kept` of the row's `tried` tokens (all but the
+        first speculated; unmasked, the first too); the row speculates on while its mode pays,
+        else takes the other mode, or waits if that one just failed (`SPECULATION_WAIT`)."""
+        later, mode = max(kept - 1, 0), self.unmasked
         self._stats.tokens += tried - 1
-        self._stats.accepted += accepted - 1
-        self._won = ACCEPTANCE_DECAY * self._won + accepted - 1
-        self._tried = ACCEPTANCE_DECAY * self._tried + accepted - 1 + (accepted < tried)
-        p = (self._won + 1) / (self._tried + 2)  # a token's acceptance
-        if 2 * sum(p**k for k in range(tried)) >= tried:  # expected tokens kept
-            self._backoff = 0
+        self._stats.accepted += later
+        self._won[mode] = ACCEPTANCE_DECAY * self._won[mode] + later
+        self._tried[mode] = ACCEPTANCE_DECAY * self._tried[mode] + later + (kept < tried)
+        if self._pays(mode, tried):
+            self._backoff, self._switched = 0, False
+        elif not self._switched:
+            self.unmasked, self._switched = not mode, True
         else:
             first, most = SPECULATION_WAIT
             self._backoff = self._wait = min(max(2 * self._backoff, first), most)
+            self.unmasked = self._switched = False
+
+    def _pays(self, mode: bool, tried: int) -> bool:
+        """Whether a plan of `tried` tokens in `mode` is expected to keep at least half."""
+        p = (self._won[mode] + 1) / (self._tried[mode] + 2)  # a token's acceptance
+        return 2 * sum(p**k for k in range(tried)) >= tried
 
 
 def mask_commutes(params: SamplingParams) -> bool:
@@ -130,19 +146,27 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
     the row's tokens (`tokens[row][:counts[row]]`), the rows in parallel; returns how many each
     such row keeps. A token the mask did not allow (it allowed none) leaves the matcher in an
     error state, which `is_terminated` reports. A plan of several steps keeps the longest
-    prefix of each row that one-step plans would sample (the module's docstring)."""
+    prefix of each row that one-step plans would sample (the module's docstring): none, where
+    a row drew its first token unmasked and its mask did not allow it."""
     rows = grammar_rows(plan)
     if not rows:
         return {}
-    executor = rows[0][1]._executor
-    executor.consume_token_par([(grammar.matcher, tokens[row][0]) for row, grammar in rows])
-    kept = dict.fromkeys((row for row, _ in rows), 1)
-    if plan.bucket.num_steps == 1:
+    start, executor = time.perf_counter(), rows[0][1]._executor
+    speculative = plan.bucket.num_steps > 1
+    live = [  # a first token drawn unmasked is checked too
+        (row, grammar)
+        for row, grammar in rows
+        if not speculative or not grammar.unmasked or _allows(grammar.first_mask, tokens[row][0])
+    ]
+    if live:
+        executor.consume_token_par([(grammar.matcher, tokens[row][0]) for row, grammar in live])
+    kept = dict.fromkeys((row for row, _ in rows), 0) | dict.fromkeys((row for row, _ in live), 1)
+    if not speculative:
         for _, grammar in rows:
             grammar._wait = max(0, grammar._wait - 1)
         return kept
-    start, llguidance_numpy = time.perf_counter(), importlib.import_module("llguidance.numpy")
-    live = [(row, grammar) for row, grammar in rows if not grammar.is_terminated]
+    llguidance_numpy = importlib.import_module("llguidance.numpy")
+    live = [(row, grammar) for row, grammar in live if not grammar.is_terminated]
     for step in range(1, max(counts)):
         live = [(row, grammar) for row, grammar in live if step < counts[row]]
         if not live:
@@ -153,7 +177,8 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         llguidance_numpy.fill_next_token_bitmask_par(executor, matchers, masks)
         ids = np.array([tokens[row][step] for row, _ in live])
         allowed = (masks[np.arange(len(live)), ids // 32] >> (ids % 32)) & 1
-        within = ~(masks & ~first).any(1)  # the mask allows nothing the first did not
+        # drawn under the first mask: its own allows nothing the first did not
+        within = ~(masks & ~first).any(1) | [grammar.unmasked for _, grammar in live]
         live = [pair for pair, ok in zip(live, allowed & within, strict=True) if ok]
         if not live:
             break
@@ -165,6 +190,11 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         grammar.settle(kept[row], counts[row])
     rows[0][1]._stats.seconds += time.perf_counter() - start
     return kept
+
+
+def _allows(mask: np.ndarray, token: int) -> bool:
+    """Whether a row of a token bitmask allows `token`."""
+    return bool((mask[token // 32] >> (token % 32)) & 1)
 
 
 def grammar_rows(plan) -> list[tuple[int, SequenceGrammar]]:
@@ -294,4 +324,7 @@ class Grammars:
             llguidance_numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
         for row, grammar in rows if plan.speculative else ():
             grammar.first_mask = mask[row]
+            if grammar.unmasked:  # its tokens drawn without a mask, checked against this one
+                grammar.first_mask = mask[row].copy()
+                mask[row] = -1
         return mask

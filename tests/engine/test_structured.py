@@ -448,6 +448,44 @@ def test_speculative_plans_sample_what_one_step_plans_do(
     assert_idle(speculating_llm)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_unmasked_speculative_tokens_are_what_one_step_plans_sample(
+    text_llm, speculating_llm, monkeypatch, temperature
+):
+    """Rows kept in the unmasked mode (a trained model's rows settle there) draw every token of
+    a speculative plan without a mask, the first included, and keep those their masks allow:
+    the same tokens as one step a plan; a first token refused, the row keeps none."""
+    from jaxllm.structured import Grammars, SequenceGrammar
+
+    settle, make = SequenceGrammar.settle, Grammars.sequence_grammar
+    refused_first, kept_later = [], []
+
+    def unmasked_from_the_start(self, compiled):
+        grammar = make(self, compiled)
+        grammar.unmasked = True
+        return grammar
+
+    def unmasked(self, kept, tried):
+        refused_first.append(kept == 0)
+        kept_later.append(kept > 1)
+        settle(self, kept, tried)
+        self.unmasked = True
+
+    monkeypatch.setattr(SequenceGrammar, "settle", unmasked)
+    monkeypatch.setattr(Grammars, "sequence_grammar", unmasked_from_the_start)
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=60, seed=seed, structured_outputs=TEXT)
+        for seed in range(4)
+    ]
+    one_step = text_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
+    speculated = speculating_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
+    for alone, several in zip(one_step, speculated, strict=True):
+        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert several.outputs[0].finish_reason == alone.outputs[0].finish_reason
+    assert any(refused_first) and any(kept_later)
+    assert_idle(speculating_llm)
+
+
 @pytest.mark.parametrize(
     ("regex", "words", "kept"),
     [
@@ -507,11 +545,9 @@ def test_filtered_constrained_rows_take_one_step_plans(text_llm, speculating_llm
     assert speculation == before
 
 
-def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
-    """A plan of 8 steps pays when it keeps about half its tokens; a row whose plans keep
-    fewer waits 16 one-step plans, then 32, ... up to 256, and a row that keeps all speculates
-    on."""
-    from jaxllm.structured import SPECULATION_WAIT, SequenceGrammar, Speculation
+def ready_grammar(speculation):
+    """A sequence's grammar of a compiled matcher that does nothing (for `settle`)."""
+    from jaxllm.structured import SequenceGrammar
 
     class Matcher:
         def deep_copy(self):
@@ -519,23 +555,56 @@ def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
 
     done = concurrent.futures.Future()
     done.set_result([Matcher()])
-    speculation = Speculation()
     grammar = SequenceGrammar(done, 0, None, speculation)
-    assert grammar.ready and grammar.speculates
+    assert grammar.ready and grammar.speculates and not grammar.unmasked
+    return grammar
+
+
+def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
+    """A plan of 8 steps pays when it keeps about half its tokens; a row whose plans keep
+    fewer tries the other mode, and when that fails at once too, waits 16 one-step plans, then
+    32, ... up to 256, before it tries again under the first mask; a row that keeps all
+    speculates on."""
+    from jaxllm.structured import SPECULATION_WAIT, Speculation
+
+    speculation = Speculation()
+    grammar = ready_grammar(speculation)
     for _ in range(3):
         grammar.settle(8, 8)
-        assert grammar.speculates
-    waits = []
-    for _ in range(8):
+        assert grammar.speculates and not grammar.unmasked
+    waits, modes = [], []
+    for _ in range(16):
+        modes.append(grammar.unmasked)
         grammar.settle(1, 8)  # the first token only
         waits.append(grammar._wait)
         while not grammar.speculates:  # one-step plans
             grammar._wait -= 1
     first, most = SPECULATION_WAIT
-    tolerated = waits.index(first)  # failures after a run of successes
-    assert set(waits[:tolerated]) == {0} and tolerated <= 2
-    assert waits[tolerated:] == [min(first * 2**i, most) for i in range(8 - tolerated)]
-    assert speculation == Speculation(tokens=11 * 7, accepted=3 * 7)
+    tolerated = waits.index(first)  # failures after a run of successes, the last unmasked
+    assert set(waits[:tolerated]) == {0} and tolerated <= 4 and modes[tolerated]
+    after = waits[tolerated:]  # then failures in pairs: under the first mask, unmasked
+    assert modes[tolerated + 1 :: 2] == [False] * (len(after) // 2)
+    assert after[1::2] == [0] * (len(after) // 2)
+    assert after[::2] == [min(first * 2**i, most) for i in range(len(after[::2]))]
+    assert speculation == Speculation(tokens=19 * 7, accepted=3 * 7)
+
+
+def test_a_row_whose_first_mask_fails_speculates_on_unmasked_while_that_pays():
+    """The first mask failing at once, the row draws unmasked tokens; while they pay it goes on,
+    and when they stop paying it tries the first mask again, then waits."""
+    from jaxllm.structured import SPECULATION_WAIT, Speculation
+
+    grammar = ready_grammar(Speculation())
+    grammar.settle(2, 8)
+    assert grammar.unmasked and grammar.speculates
+    for _ in range(4):
+        grammar.settle(8, 8)
+        assert grammar.unmasked and grammar.speculates
+    while grammar.unmasked:
+        grammar.settle(0, 8)  # even the first token refused
+    assert grammar.speculates  # under the first mask
+    grammar.settle(1, 8)
+    assert not grammar.speculates and grammar._wait == SPECULATION_WAIT[0]
 
 
 def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm):
