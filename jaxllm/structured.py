@@ -167,19 +167,21 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         return kept
     llguidance_numpy = importlib.import_module("llguidance.numpy")
     live = [(row, grammar) for row, grammar in live if not grammar.is_terminated]
+    refused = {row: ~grammar.first_mask for row, grammar in live}  # by the first mask
     for step in range(1, max(counts)):
         live = [(row, grammar) for row, grammar in live if step < counts[row]]
         if not live:
             break
-        first = np.stack([grammar.first_mask for _, grammar in live])
-        masks = np.empty_like(first)
+        masks = np.empty((len(live), live[0][1].first_mask.size), np.int32)
         matchers = [(grammar.matcher, index) for index, (_, grammar) in enumerate(live)]
         llguidance_numpy.fill_next_token_bitmask_par(executor, matchers, masks)
-        ids = np.array([tokens[row][step] for row, _ in live])
-        allowed = (masks[np.arange(len(live)), ids // 32] >> (ids % 32)) & 1
-        # drawn under the first mask: its own allows nothing the first did not
-        within = ~(masks & ~first).any(1) | [grammar.unmasked for _, grammar in live]
-        live = [pair for pair, ok in zip(live, allowed & within, strict=True) if ok]
+        live = [
+            (row, grammar)
+            for mask, (row, grammar) in zip(masks, live, strict=True)
+            if _allows(mask, tokens[row][step])
+            # drawn under the first mask: its own allows nothing the first did not
+            and (grammar.unmasked or not (mask & refused[row]).any())
+        ]
         if not live:
             break
         executor.consume_token_par([(grammar.matcher, tokens[row][step]) for row, grammar in live])
