@@ -9,50 +9,19 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
 
 import numpy as np
 
 from jaxllm.config import EngineConfig
-from jaxllm.detokenizer import StopStrings, decode_tokens
-from jaxllm.outputs import (
-    CompletionOutput,
-    EngineStats,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprobs,
-)
+from jaxllm.detokenizer import StopStrings
+from jaxllm.outputs import EngineStats, RequestMetrics, RequestOutput
+from jaxllm.request import Request, TokenTexts, completion_params
 from jaxllm.runner import ModelRunner
-from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
-from jaxllm.sched import Scheduler, Sequence, StepPlan
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
 from jaxllm.steps import StepResult
 from jaxllm.structured import Grammars, grammar_rows
-
-
-@dataclass(eq=False)
-class Request:
-    """The engine's record of one request: the sequences of its `n` completions (the first
-    one's prefill fills the prefix cache for the others), prompt text, times, and each
-    completion's stop strings."""
-
-    seqs: list[Sequence]
-    prompt: str | None
-    metrics: RequestMetrics
-    stop_strings: list[StopStrings | None]
-
-    @property
-    def request_id(self) -> int:
-        return self.seqs[0].seq_id
-
-
-def completion_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of completion `index` of a request of `params.n`: a stream of its own."""
-    if params.seed is not None:
-        return replace(params, n=1, seed=(params.seed + index) % SEED_LIMIT)
-    derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
-    return replace(params, n=1, _derived_seed=derived)
 
 
 class Engine:
@@ -81,8 +50,7 @@ class Engine:
         self.runner = runner
         self.compiled_at_startup = runner.num_compiled
         self.tokenizer = tokenizer
-        # Each token's text alone, as logprobs name it (`_token_texts`).
-        self._token_text: dict[int, str] = {}
+        self._token_texts = TokenTexts(tokenizer)
         self.startup_seconds = startup_seconds
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
@@ -325,76 +293,4 @@ class Engine:
         for seq in request.seqs:
             del self._by_seq[seq.seq_id]
         request.metrics.finished_time = now
-        first = request.seqs[0]
-        completions = zip(request.seqs, request.stop_strings, strict=True)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[
-                self._completion(index, seq, stops)
-                for index, (seq, stops) in enumerate(completions)
-            ],
-            num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=request.metrics,
-            prompt_logprobs=self._prompt_logprobs(first),
-        )
-
-    def _prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
-        wanted = seq.params.prompt_logprobs
-        if wanted is None:
-            return None
-        tokens = seq.prompt_token_ids[1:]
-        return [None, *self._logprobs(tokens, seq.prompt_logprobs[: len(tokens)], wanted)]
-
-    def _completion(
-        self, index: int, seq: Sequence, stop_strings: StopStrings | None
-    ) -> CompletionOutput:
-        if stop_strings is not None and stop_strings.text_end is not None:
-            text = stop_strings.text
-        else:
-            text = decode_tokens(
-                self.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens
-            )
-        completion = CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=None,
-            logprobs=None,
-            finish_reason=seq.finish_reason,
-            stop_reason=self._stop_reason(seq, stop_strings),
-        )
-        if seq.params.logprobs is not None:
-            rows = seq.output_logprobs
-            completion.logprobs = self._logprobs(seq.output_token_ids, rows, seq.params.logprobs)
-            completion.cumulative_logprob = float(sum(row[0] for row in seq.output_logprobs))
-        return completion
-
-    @staticmethod
-    def _stop_reason(seq: Sequence, stop_strings: StopStrings | None) -> str | int | None:
-        """The stop string or stop token that ended `seq`; None for eos and length."""
-        if seq.finish_reason != "stop":
-            return None
-        if stop_strings is not None and stop_strings.matched is not None:
-            return stop_strings.matched
-        last = seq.output_token_ids[-1]
-        return last if last in (seq.params.stop_token_ids or ()) else None
-
-    def _logprobs(self, tokens: list[int], rows: list[np.ndarray], wanted: int) -> SampleLogprobs:
-        """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
-        of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
-        table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
-        return SampleLogprobs(list(tokens), table, wanted, self._token_texts)
-
-    def _token_texts(self, tokens: list[int]) -> dict[int, str]:
-        """Each token's text alone; those not seen before decoded in one batch. NOTE: one
-        tokenizer call per token costs ~15 us, and random weights spread top tokens over the
-        whole vocabulary."""
-        new = sorted(set(tokens).difference(self._token_text))
-        size = len(self.tokenizer)
-        known = [token for token in new if 0 <= token < size]
-        # NOTE: transformers < 5.24 decodes an empty batch as one empty sequence.
-        texts = self.tokenizer.batch_decode([[token] for token in known]) if known else []
-        self._token_text |= dict.fromkeys(new, "") | dict(zip(known, texts, strict=True))
-        return self._token_text
+        return request.output(self._token_texts)

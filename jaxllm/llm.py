@@ -16,13 +16,13 @@ from tqdm.auto import tqdm
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import IncrementalDetokenizer
-from jaxllm.engine import Request
 from jaxllm.interrupts import interrupts_held
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
 from jaxllm.prompts import SinglePrompt, parse_prompts
+from jaxllm.request import Request
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams, shown
 from jaxllm.startup import start_engine
 

@@ -1,0 +1,131 @@
+"""The engine's record of one request, and the `RequestOutput` built once it finishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from jaxllm.detokenizer import StopStrings, decode_tokens
+from jaxllm.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
+from jaxllm.sched import Sequence
+
+
+def completion_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of completion `index` of a request of `params.n`: a stream of its own."""
+    if params.seed is not None:
+        return replace(params, n=1, seed=(params.seed + index) % SEED_LIMIT)
+    derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
+    return replace(params, n=1, _derived_seed=derived)
+
+
+class TokenTexts:
+    """Each token's text alone, as logprobs name it; tokens not seen before are decoded in
+    one batch and kept. NOTE: one tokenizer call per token costs ~15 us, and random weights
+    spread top tokens over the whole vocabulary."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, tokens: list[int]) -> dict[int, str]:
+        new = sorted(set(tokens).difference(self._texts))
+        size = len(self.tokenizer)
+        known = [token for token in new if 0 <= token < size]
+        # NOTE: transformers < 5.24 decodes an empty batch as one empty sequence.
+        texts = self.tokenizer.batch_decode([[token] for token in known]) if known else []
+        self._texts |= dict.fromkeys(new, "") | dict(zip(known, texts, strict=True))
+        return self._texts
+
+
+@dataclass(eq=False)
+class Request:
+    """The engine's record of one request: the sequences of its `n` completions (the first
+    one's prefill fills the prefix cache for the others), prompt text, times, and each
+    completion's stop strings."""
+
+    seqs: list[Sequence]
+    prompt: str | None
+    metrics: RequestMetrics
+    stop_strings: list[StopStrings | None]
+
+    @property
+    def request_id(self) -> int:
+        return self.seqs[0].seq_id
+
+    def output(self, token_texts: TokenTexts) -> RequestOutput:
+        """The output of the request, once all its completions finished."""
+        first = self.seqs[0]
+        completions = zip(self.seqs, self.stop_strings, strict=True)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                _completion(index, seq, stops, token_texts)
+                for index, (seq, stops) in enumerate(completions)
+            ],
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=self.metrics,
+            prompt_logprobs=_prompt_logprobs(first, token_texts),
+        )
+
+
+def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs | None:
+    wanted = seq.params.prompt_logprobs
+    if wanted is None:
+        return None
+    tokens = seq.prompt_token_ids[1:]
+    return [None, *_logprobs(tokens, seq.prompt_logprobs[: len(tokens)], wanted, token_texts)]
+
+
+def _completion(
+    index: int, seq: Sequence, stop_strings: StopStrings | None, token_texts: TokenTexts
+) -> CompletionOutput:
+    if stop_strings is not None and stop_strings.text_end is not None:
+        text = stop_strings.text
+    else:
+        text = decode_tokens(
+            token_texts.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens
+        )
+    completion = CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=list(seq.output_token_ids),
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason=seq.finish_reason,
+        stop_reason=_stop_reason(seq, stop_strings),
+    )
+    if seq.params.logprobs is not None:
+        rows = seq.output_logprobs
+        wanted = seq.params.logprobs
+        completion.logprobs = _logprobs(seq.output_token_ids, rows, wanted, token_texts)
+        completion.cumulative_logprob = float(sum(row[0] for row in rows))
+    return completion
+
+
+def _stop_reason(seq: Sequence, stop_strings: StopStrings | None) -> str | int | None:
+    """The stop string or stop token that ended `seq`; None for eos and length."""
+    if seq.finish_reason != "stop":
+        return None
+    if stop_strings is not None and stop_strings.matched is not None:
+        return stop_strings.matched
+    last = seq.output_token_ids[-1]
+    return last if last in (seq.params.stop_token_ids or ()) else None
+
+
+def _logprobs(
+    tokens: list[int], rows: list[np.ndarray], wanted: int, token_texts: TokenTexts
+) -> SampleLogprobs:
+    """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
+    of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
+    table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
+    return SampleLogprobs(list(tokens), table, wanted, token_texts)
