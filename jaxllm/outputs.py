@@ -182,23 +182,22 @@ class StreamDelta(NamedTuple):
 
 @dataclass
 class StepStats:
-    """Tokens and seconds of one kind of step, accumulated.
-
-    `seconds` is the wall time of `Engine.step`; of it, `dispatch_seconds` went into
-    `ModelRunner.execute` and `wait_seconds` into reading the previous step's tokens (booked
-    under this step's kind: the first decode step after a prefill waits for that prefill);
-    `masks_seconds`, part of the dispatch, into filling structured outputs' token masks while
-    the device runs the forward pass (a constrained step's dispatch also applies the step
-    before it and plans the next, `Engine._masks`); `masks_late_steps` counts the steps whose
-    forward pass was done before that host work (the device waited for the host).
-    """
+    """Tokens and seconds of one kind of step (prefill or decode), accumulated."""
 
     tokens: int = 0
-    seconds: float = 0.0
     steps: int = 0
+    # The wall time of `Engine.step`.
+    seconds: float = 0.0
+    # Of it, in `ModelRunner.execute`.
     dispatch_seconds: float = 0.0
+    # Of it, reading the previous step's tokens, booked under this step's kind: the first
+    # decode step after a prefill waits for that prefill.
     wait_seconds: float = 0.0
+    # Of the dispatch, filling structured outputs' token masks while the device runs the
+    # forward pass (a constrained step's dispatch also applies the step before it and plans
+    # the next, `Engine._masks`).
     masks_seconds: float = 0.0
+    # The steps whose forward pass was done before that host work (the device waited).
     masks_late_steps: int = 0
 
     @property
