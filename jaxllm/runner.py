@@ -35,7 +35,7 @@ from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
-from jaxllm.sched.plan import Bucket, StepPlan
+from jaxllm.sched import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, padding_step, previous_rows
 from jaxllm.weights import from_hf_names, is_hf_named, placed_like
 

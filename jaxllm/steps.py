@@ -18,7 +18,7 @@ from jax import lax
 from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.model.logits_processors import apply_bitmask
 from jaxllm.model.sampler import processed_logits, sample, token_logprobs
-from jaxllm.sched.plan import Bucket, StepPlan
+from jaxllm.sched import Bucket, StepPlan
 
 
 def pack(arrays: Iterable[np.ndarray]) -> np.ndarray:

@@ -23,7 +23,7 @@ class SchedulerConfig:
         prefill_tile: prefill tokens are laid out in tiles of this many tokens of one sequence.
         enable_prefix_caching: reuse cached KV of identical full blocks across requests.
         num_scheduler_steps: decode steps one plan runs on the device (sampling each token
-            there) when no request waits and at most `MULTI_STEP_MAX_SEQS` run (`plan.py`).
+            there) when no request waits and at most `MULTI_STEP_MAX_SEQS` run (`buckets.py`).
     """
 
     num_blocks: int

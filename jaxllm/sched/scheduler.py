@@ -23,10 +23,10 @@ from jaxllm.cache.block_pool import BlockPool, CacheStats
 from jaxllm.cache.eviction import EvictionPolicy
 from jaxllm.cache.hashing import extend_block_hashes
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sched import plan as plans
+from jaxllm.sched.buckets import BucketLadder
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
-from jaxllm.sched.plan import BucketLadder, StepPlan
+from jaxllm.sched.plan import StepPlan, keep_prompt_logprobs, plan_step
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 from jaxllm.structured import accept_tokens, mask_commutes
@@ -165,7 +165,7 @@ class Scheduler:
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
         shape = (self.ladder, self.config.block_size, kind, seqs, starts, counts, num_steps)
         new_slots = self.slots.take_new() if self.slots.num_held else None
-        plan = plans.plan_step(*shape, all_rows, new_slots, outline=self.outlines)
+        plan = plan_step(*shape, all_rows, new_slots, outline=self.outlines)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
@@ -200,7 +200,7 @@ class Scheduler:
         counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
         finished: list[Sequence] = []
         if plan.all_rows and logprobs is not None:
-            plans.keep_prompt_logprobs(plan, logprobs)
+            keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
         accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
         for index, (seq, samples, row, count) in enumerate(rows):
