@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from jaxllm.cache import EvictionPolicy
 from jaxllm.cache.eviction import POLICIES
-from jaxllm.sampling_params import Check, as_bool, as_int, as_real, check_fields
+from jaxllm.sampling_params import Check, as_bool, as_int, as_real, as_str, check_fields
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
-        check_fields(self, _CHECKS, _OPTIONAL)
+        check_fields(self, _CHECKS)
 
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -100,7 +100,7 @@ _CHECKS: dict[str, Check] = {
     "num_kvcache_blocks": (as_int, _in_range(1), "None or an integer in [1, 2**31)"),
     "memory_fraction": (as_real, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]"),
     "dtype": (
-        lambda dtype: str(dtype) if isinstance(dtype, str) else None,
+        as_str,
         lambda dtype: dtype in ("float32", "bfloat16"),
         'None, "float32" or "bfloat16"',
     ),
@@ -115,13 +115,5 @@ _CHECKS: dict[str, Check] = {
     "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
     "num_scheduler_steps": (as_int, lambda n: 1 <= n <= 64, "None or an integer in [1, 64]"),
     "max_logprobs": (as_int, _in_range(1, 1025), "an integer in [1, 1024]"),
-    "logprobs_mode": (
-        lambda mode: mode if isinstance(mode, str) else None,
-        lambda mode: mode in LOGPROBS_MODES,
-        f"one of {', '.join(LOGPROBS_MODES)}",
-    ),
+    "logprobs_mode": (as_str, LOGPROBS_MODES.__contains__, f"one of {', '.join(LOGPROBS_MODES)}"),
 }
-# The fields whose None is a value of its own (see their docs).
-_OPTIONAL = frozenset(
-    {"max_model_len", "num_kvcache_blocks", "dtype", "compile_at_startup", "num_scheduler_steps"}
-)

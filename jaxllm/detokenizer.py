@@ -130,7 +130,7 @@ class StopStrings:
     must equal the output tokens decoded alone (as without stop strings), also when the prompt
     ends inside a multi-byte character.
 
-    Mutates: its detokenizer, its token count and, at a hit, `text_end`.
+    Mutates: its detokenizer, its token count and, at a hit, `text_end` and `matched`.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, params: SamplingParams) -> None:
@@ -140,6 +140,7 @@ class StopStrings:
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
         self.text_end: int | None = None
+        self.matched: str | None = None  # the stop string found
 
     def __call__(self, token_id: int) -> bool:
         self._num_tokens += 1
@@ -148,19 +149,11 @@ class StopStrings:
             return False
         text = self._detokenizer.text
         search_from = max(0, len(text) - len(delta) - self._longest + 1)
-        hits = [i for i in (text.find(stop, search_from) for stop in self._stops) if i >= 0]
+        hits = [(i, stop) for stop in self._stops if (i := text.find(stop, search_from)) >= 0]
         if not hits:
             return False
-        self.text_end = min(hits)
+        self.text_end, self.matched = min(hits, key=lambda hit: hit[0])
         return True
-
-    @property
-    def matched(self) -> str | None:
-        """The stop string found, if any."""
-        if self.text_end is None:
-            return None
-        text = self._detokenizer.text
-        return next(stop for stop in self._stops if text.startswith(stop, self.text_end))
 
     @property
     def text(self) -> str:

@@ -88,18 +88,18 @@ class Engine:
             )
         bad_words = self._check_processors(params)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
-        seqs, stop_strings = [], []
+        seqs = []
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
-            stop_strings.append(StopStrings(self.tokenizer, child) if child.stop else None)
+            stop_strings = StopStrings(self.tokenizer, child) if child.stop else None
             processors = SequenceProcessors(vocab, bad_words) if params.processes_logits else None
             sequence_grammar = grammar and self.grammars.sequence_grammar(grammar)
             seq = self.scheduler.new_sequence(
-                prompt_token_ids, child, stop_strings[-1], processors, sequence_grammar
+                prompt_token_ids, child, stop_strings, processors, sequence_grammar
             )
             seqs.append(seq)
             seqs[-1].parent = seqs[0] if index else None
-        return Request(seqs, prompt, RequestMetrics(arrival_time=0.0), stop_strings)
+        return Request(seqs, prompt, RequestMetrics(arrival_time=0.0))
 
     def _check_processors(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """The token ids of the bad words, after checking the token ids the params name.

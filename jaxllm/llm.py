@@ -287,25 +287,17 @@ class LLM:
         """The engine's requests of a call, all validated before any is queued (prompt forms:
         `jaxllm.prompts`)."""
         self.engine.check_awake()
-        texts, token_lists = self._tokenize(prompts)
-        params = self._params_per_prompt(sampling_params, len(token_lists))
+        parsed = parse_prompts(prompts)
+        params = self._params_per_prompt(sampling_params, len(parsed))
         requests = []
-        for index, (text, tokens, param) in enumerate(zip(texts, token_lists, params, strict=True)):
+        for index, ((text, tokens), param) in enumerate(zip(parsed, params, strict=True)):
+            if tokens is None:
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
             try:
                 requests.append(self.engine.new_request(tokens, param, prompt=text))
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
         return requests
-
-    def _tokenize(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
-        """Each prompt's text (None for token ids) and token ids."""
-        parsed = parse_prompts(prompts)
-        texts = [prompt.text for prompt in parsed]
-        token_lists = [
-            self.tokenizer.encode(text, add_special_tokens=False) if tokens is None else tokens
-            for text, tokens in parsed
-        ]
-        return texts, token_lists
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int

@@ -124,11 +124,8 @@ class Platform:
         """
         backend = self.attention_backend
         if backend == "auto":
-            backend = "reference"
-            if decode_attention.tile_rows(block_size, kv_heads_per_device) and self.nvidia:
-                backend = "pallas"
-            elif self.flash_attention:
-                backend = "flash"
+            pallas = self.nvidia and decode_attention.tile_rows(block_size, kv_heads_per_device)
+            backend = "pallas" if pallas else "flash" if self.flash_attention else "reference"
         prefill = backend
         if backend == "pallas":
             prefill = "flash" if self.flash_attention else "reference"

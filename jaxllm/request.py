@@ -48,13 +48,11 @@ class TokenTexts:
 @dataclass(eq=False)
 class Request:
     """The engine's record of one request: the sequences of its `n` completions (the first
-    one's prefill fills the prefix cache for the others), prompt text, times, and each
-    completion's stop strings."""
+    one's prefill fills the prefix cache for the others), its prompt text and times."""
 
     seqs: list[Sequence]
     prompt: str | None
     metrics: RequestMetrics
-    stop_strings: list[StopStrings | None]
 
     @property
     def request_id(self) -> int:
@@ -63,15 +61,11 @@ class Request:
     def output(self, token_texts: TokenTexts) -> RequestOutput:
         """The output of the request, once all its completions finished."""
         first = self.seqs[0]
-        completions = zip(self.seqs, self.stop_strings, strict=True)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=[
-                _completion(index, seq, stops, token_texts)
-                for index, (seq, stops) in enumerate(completions)
-            ],
+            outputs=[_completion(index, seq, token_texts) for index, seq in enumerate(self.seqs)],
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=self.metrics,
             prompt_logprobs=_prompt_logprobs(first, token_texts),
@@ -86,9 +80,8 @@ def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs |
     return [None, *_logprobs(tokens, seq.prompt_logprobs[: len(tokens)], wanted, token_texts)]
 
 
-def _completion(
-    index: int, seq: Sequence, stop_strings: StopStrings | None, token_texts: TokenTexts
-) -> CompletionOutput:
+def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> CompletionOutput:
+    stop_strings: StopStrings | None = seq.stop_strings  # the engine's
     if stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ class StructuredOutputsParams:
                 f"json_object must be set, got {', '.join(given) or 'none'}"
             )
         if self.choice is not None:
-            choice = None if isinstance(self.choice, str) else _as_tuple(self.choice, _choice)
+            choice = None if isinstance(self.choice, str) else _as_tuple(self.choice, as_str)
             if not choice:
                 raise ValueError(
                     f"{prefix}choice must be a non-empty list of strings, got {shown(self.choice)}"
@@ -80,8 +80,10 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{prefix}{name} must be a string, got {shown(value)}")
         for name in ("json_object", "disable_any_whitespace"):
-            if as_bool(getattr(self, name)) is None:
+            flag = as_bool(getattr(self, name))
+            if flag is None:
                 raise ValueError(f"{prefix}{name} must be True or False")
+            object.__setattr__(self, name, flag)
 
     @property
     def spec(self) -> tuple[str, str]:
@@ -173,7 +175,7 @@ class SamplingParams:
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_fields(self, _CHECKS, _OPTIONAL, prefix="SamplingParams.")
+        check_fields(self, _CHECKS, prefix="SamplingParams.")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         min_tokens = as_int(self.min_tokens)
@@ -212,11 +214,9 @@ class SamplingParams:
 Check = tuple[Callable[[Any], Any], Callable[[Any], bool], str]
 
 
-def check_fields(
-    instance: object, checks: dict[str, Check], optional: frozenset[str], prefix: str = ""
-) -> None:
+def check_fields(instance: object, checks: dict[str, Check], prefix: str = "") -> None:
     """Replaces each field of a frozen dataclass `instance` named in `checks` by its converted
-    value, in the order of `checks`; fields in `optional` may also be None.
+    value, in the order of `checks`; fields whose default is None may also be None.
 
     Args:
         checks: field name -> (its conversion, None where the value is refused; a test of the
@@ -225,6 +225,7 @@ def check_fields(
     Raises:
         ValueError: "{prefix}{name} must be {allowed}, got {value}" for the first field refused.
     """
+    optional = {f.name for f in fields(instance) if f.default is None}
     for name, (convert, ok, allowed) in checks.items():
         value = getattr(instance, name)
         if value is None and name in optional:
@@ -259,6 +260,11 @@ def as_bool(value: object) -> bool | None:
     return bool(value) if isinstance(value, bool | np.bool_) else None
 
 
+def as_str(value: object) -> str | None:
+    """`value` as a Python str if it is one, else None."""
+    return str(value) if isinstance(value, str) else None
+
+
 def shown(value: object, limit: int = 80) -> str:
     """`value`'s repr for an error message, cut to about `limit` characters."""
     try:
@@ -284,10 +290,6 @@ def _stop_string(value: object) -> str | None:
     return str(value) if isinstance(value, str) and value else None
 
 
-def _choice(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
 def _token_id(value: object) -> int | None:
     token = as_int(value)
     return token if token is not None and token >= 0 else None
@@ -308,6 +310,11 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     return bias
 
 
+_STRINGS: Check = (
+    lambda words: _as_tuple(words, _stop_string),
+    lambda _: True,
+    "None, a non-empty string or a list of non-empty strings",
+)
 # What each field allows (see `check_fields`); min_tokens, bounded by max_tokens, is checked after.
 _CHECKS: dict[str, Check] = {
     "temperature": (
@@ -321,11 +328,7 @@ _CHECKS: dict[str, Check] = {
     "max_tokens": (as_int, lambda n: n >= 1, "an integer >= 1"),
     "ignore_eos": (as_bool, lambda _: True, "True or False"),
     "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
-    "stop": (
-        lambda stop: _as_tuple(stop, _stop_string),
-        lambda _: True,
-        "None, a non-empty string or a list of non-empty strings",
-    ),
+    "stop": _STRINGS,
     "stop_token_ids": (
         lambda ids: _as_tuple(ids, _token_id),
         lambda _: True,
@@ -352,11 +355,7 @@ _CHECKS: dict[str, Check] = {
         bool,
         "None or a non-empty list of integers >= 0",
     ),
-    "bad_words": (
-        lambda words: _as_tuple(words, _stop_string),
-        lambda _: True,
-        "None, a non-empty string or a list of non-empty strings",
-    ),
+    "bad_words": _STRINGS,
     "structured_outputs": (
         lambda value: value if isinstance(value, StructuredOutputsParams) else None,
         lambda _: True,
@@ -368,18 +367,3 @@ _CHECKS: dict[str, Check] = {
         "None or a dict with string keys",
     ),
 }
-# The fields whose None is a value of its own (not given).
-_OPTIONAL = frozenset(
-    {
-        "stop",
-        "stop_token_ids",
-        "seed",
-        "logprobs",
-        "prompt_logprobs",
-        "logit_bias",
-        "allowed_token_ids",
-        "bad_words",
-        "structured_outputs",
-        "extra_args",
-    }
-)

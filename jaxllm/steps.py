@@ -77,11 +77,9 @@ def padding_step(bucket: Bucket) -> tuple[np.ndarray, ...]:
 def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
     """The model step; `packed` holds its inputs, then `previous_rows`: a row naming a row of
     the previous step's sampled tokens takes that token as its token id."""
-    inputs, _ = bucket.padding()
-    *arrays, rows = unpack(packed, (*inputs, np.zeros(bucket.num_tokens, np.int32)))
+    *arrays, rows = unpack(packed, padding_step(bucket))
     inputs = ModelInputs(*arrays)
-    from_previous = previous_tokens[jnp.maximum(rows, 0)]  # [T]
-    token_ids = jnp.where(rows >= 0, from_previous, inputs.token_ids)
+    token_ids = jnp.where(rows >= 0, previous_tokens[jnp.maximum(rows, 0)], inputs.token_ids)
     return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
 
 
@@ -113,12 +111,9 @@ def decode_steps(
     mask; the host checks the later tokens, `structured.accept_tokens`). Returns the tokens of
     every step [K, num_rows] (for the host), those of the last [num_rows] (for the next plan),
     the cache."""
-    inputs, sampling_like = bucket.padding()
-    shape = (bucket.num_steps, bucket.num_tokens)
-    like = (*inputs, np.zeros(bucket.num_tokens, np.int32), np.zeros(shape, np.int32))
-    *arrays, rows, slots = unpack(packed, like)
+    *arrays, rows, slots = unpack(packed, padding_step(bucket))
     inputs = ModelInputs(*arrays)
-    sampling = SamplingInputs(*unpack(packed_sampling, sampling_like))
+    sampling = SamplingInputs(*unpack(packed_sampling, bucket.padding()[1]))
     token_ids = jnp.where(rows >= 0, previous_tokens[jnp.maximum(rows, 0)], inputs.token_ids)
 
     def step(j, carry):

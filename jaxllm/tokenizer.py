@@ -169,13 +169,9 @@ def _build_tokenizer():
     )
     tokenizer.post_processor = processors.ByteLevel(**byte_level)
     tokenizer.decoder = decoders.ByteLevel(**byte_level)
-    for content, is_special in ADDED_TOKENS:
+    for token_id, (content, is_special) in enumerate(ADDED_TOKENS, start=NUM_BPE_TOKENS):
         token = AddedToken(content, normalized=False, special=is_special)
-        if is_special:
-            tokenizer.add_special_tokens([token])
-        else:
-            tokenizer.add_tokens([token])
-    for token_id, (content, _) in enumerate(ADDED_TOKENS, start=NUM_BPE_TOKENS):
+        (tokenizer.add_special_tokens if is_special else tokenizer.add_tokens)([token])
         if tokenizer.token_to_id(content) != token_id:
             raise ValueError(f"added token {content!r} did not get id {token_id}")
     return tokenizer

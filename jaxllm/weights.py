@@ -11,9 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.loader import TIED_EXTRA, expected_tensors, get_path, set_path
+from jaxllm.model.loader import TIED_EXTRA, expected_tensors
 
 Params = Any
 
@@ -38,29 +39,27 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         raise ValueError(
             f"Hugging Face weights: {'unknown ' + unknown[0] if unknown else 'no ' + missing[0]}"
         )
-    tree: dict[str, Any] = {}
-    fused: dict[tuple[str, ...], dict[int, Any]] = {}
+    flat_shapes = flatten_dict(shapes)
+    tree: dict[tuple[str, ...], Any] = {}
+    fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
     for name, tensor in expected.items():
         array = named[name]
         if tuple(np.shape(array)) != tensor.hf_shape:
             raise ValueError(
                 f"{name} is {list(np.shape(array))}; the model's is {list(tensor.hf_shape)}"
             )
-        array = jnp.asarray(array)
-        if tensor.layout.linear_in_axes:
-            array = array.T
-        if tensor.part is None:
-            param = get_path(shapes, tensor.param_path)
-            set_path(tree, tensor.param_path, array.reshape(param.shape))
-            continue
-        fused_shape, axis = get_path(shapes, tensor.param_path).shape, tensor.part.axis
-        part_shape = (*fused_shape[:axis], tensor.part.size, *fused_shape[axis + 1 :])
-        parts = fused.setdefault(tensor.param_path, {})
-        parts[tensor.part.start] = (axis, array.reshape(part_shape))
-    for path, parts in fused.items():
-        axis = next(iter(parts.values()))[0]
-        set_path(tree, path, jnp.concatenate([parts[k][1] for k in sorted(parts)], axis=axis))
-    return tree
+        shape, part = flat_shapes[tensor.param_path].shape, tensor.part
+        if part is not None:  # its part of the fused param: `axis` of size part.size
+            shape = (*shape[: part.axis], part.size, *shape[part.axis + 1 :])
+        array = tensor.layout.convert(jnp.asarray(array), shape)
+        if part is None:
+            tree[tensor.param_path] = array
+        else:
+            fused.setdefault((tensor.param_path, part.axis), []).append((part.start, array))
+    for (path, axis), parts in fused.items():
+        parts.sort(key=lambda start_array: start_array[0])
+        tree[path] = jnp.concatenate([array for _, array in parts], axis=axis)
+    return unflatten_dict(tree)
 
 
 def placed_like(new: Params, current: Params, donate: bool = False) -> Params:

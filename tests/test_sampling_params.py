@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.cache import LRUPolicy
 from jaxllm.config import EngineConfig
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 INVALID = [
     ("temperature", -0.1),
@@ -153,6 +153,12 @@ def test_numpy_scalars_are_stored_as_python_values():
         assert type(value) in (int, float, bool, tuple, type(None)), field.name
     assert {type(s) for s in params.stop} == {str}
     assert {type(t) for t in params.stop_token_ids} == {int}
+
+
+def test_structured_outputs_flags_are_stored_as_python_bools():
+    params = StructuredOutputsParams(json_object=np.bool_(True), disable_any_whitespace=np.bool_(0))
+    assert (params.json_object, params.disable_any_whitespace) == (True, False)
+    assert {type(params.json_object), type(params.disable_any_whitespace)} == {bool}
 
 
 def test_a_large_number_is_refused_with_a_short_message():

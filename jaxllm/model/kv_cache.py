@@ -90,26 +90,24 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     zeros = functools.partial(jnp.zeros, shape, dtype or config.jnp_dtype)
-    if mesh is None:
-        return jax.jit(lambda: KVCache(zeros(), zeros()))()
-    if config.num_kv_heads % tensor_parallel_size(mesh):
+    if mesh is not None and config.num_kv_heads % tensor_parallel_size(mesh):
         raise ValueError(
             f"num_kv_heads ({config.num_kv_heads}) is not divisible by the mesh's "
             f"tensor_parallel_size ({tensor_parallel_size(mesh)})"
         )
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs())
+    shardings = None if mesh is None else _shardings(mesh)
     return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
+
+
+def _shardings(mesh: Mesh) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs())
 
 
 def kv_cache_shapes(config: Qwen3Config, num_blocks: int, block_size: int, mesh: Mesh) -> KVCache:
     """The cache `allocate_kv_cache(..., mesh=mesh)` makes, as `jax.ShapeDtypeStruct`s sharded
     over `mesh`; allocates nothing."""
     cache = jax.eval_shape(lambda: allocate_kv_cache(config, num_blocks, block_size))
-    return jax.tree.map(
-        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-        cache,
-        kv_cache_specs(),
-    )
+    return jax.tree.map(lambda x, s: x.update(sharding=s), cache, _shardings(mesh))
 
 
 def allocate_above_a_gap(

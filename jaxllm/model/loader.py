@@ -19,10 +19,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -188,25 +188,13 @@ def _within(root: Path, file: Path) -> bool:
     return file.name != ".." and (file.parent.resolve() / file.name).is_relative_to(root)
 
 
-def get_path(tree: dict[str, Any], param_path: tuple[str, ...]) -> Any:
-    for key in param_path:
-        tree = tree[key]
-    return tree
-
-
-def set_path(tree: dict[str, Any], param_path: tuple[str, ...], value: Any) -> None:
-    for key in param_path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[param_path[-1]] = value
-
-
 def expected_tensors(config: Qwen3Config, shapes: Params) -> dict[str, _Tensor]:
     """HF name -> where it goes and its shape, for every tensor of this config."""
-    expected = {}
+    expected, shapes = {}, flatten_dict(shapes)
     for pattern, (path, layout, part) in hf_weights(config).items():
         for i in range(config.num_layers) if "{i}" in pattern else [None]:
             param_path = path if i is None else (f"layers_{i}", *path)
-            param_shape = get_path(shapes, param_path).shape
+            param_shape = shapes[param_path].shape
             if part is not None:
                 param_shape = part.shape(param_shape)
             name = pattern.format(i=i)
@@ -234,8 +222,9 @@ def load_hf_checkpoint(
     config = Qwen3Config.from_hf(path)
     config = config.replace(dtype=dtype or config.dtype)
     shapes = abstract_params(config)
-    shardings = param_shardings(config, mesh or make_mesh(1))
     expected = expected_tensors(config, shapes)
+    shapes = flatten_dict(shapes)
+    shardings = flatten_dict(param_shardings(config, mesh or make_mesh(1)))
 
     with contextlib.ExitStack() as stack:
         handles, problems = {}, []
@@ -252,12 +241,14 @@ def load_hf_checkpoint(
         for name, tensor in expected.items():
             if name in handles:
                 hf_slice = handles[name].get_slice(name)
-                shape, dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
+                shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
                 if shape != tensor.hf_shape:
                     problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
-                if dtype not in FLOAT_DTYPES:
-                    allowed = ", ".join(FLOAT_DTYPES)
-                    problems.append(f"tensor {name} has dtype {dtype}, expected one of {allowed}")
+                if hf_dtype not in FLOAT_DTYPES:
+                    expected_dtypes = ", ".join(FLOAT_DTYPES)
+                    problems.append(
+                        f"tensor {name} has dtype {hf_dtype}, expected one of {expected_dtypes}"
+                    )
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
@@ -269,8 +260,7 @@ def load_hf_checkpoint(
         params: Params = {}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
             for param_path, names in by_param.items():
-                shape = get_path(shapes, param_path).shape
-                sharding = get_path(shardings, param_path)
+                shape, sharding = shapes[param_path].shape, shardings[param_path]
                 blocks = []
                 for device, index in sharding.addressable_devices_indices_map(shape).items():
                     host = np.empty(_block_shape(shape, index), config.jnp_dtype)
@@ -281,9 +271,9 @@ def load_hf_checkpoint(
                     blocks.append(jax.device_put(host, device).block_until_ready())
                     del host
                 array = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
-                set_path(params, param_path, array)
+                params[param_path] = array
                 bar.update(len(names))
-    return config, params
+    return config, unflatten_dict(params)
 
 
 def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:

@@ -192,11 +192,8 @@ def abstract_params(config: Qwen3Config) -> Params:
 
 def sharded_param_shapes(config: Qwen3Config, mesh: Mesh) -> Params:
     """The param tree as `jax.ShapeDtypeStruct`s sharded over `mesh`; allocates nothing."""
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        abstract_params(config),
-        param_shardings(config, mesh),
-    )
+    shardings = param_shardings(config, mesh)
+    return jax.tree.map(lambda leaf, s: leaf.update(sharding=s), abstract_params(config), shardings)
 
 
 def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:

@@ -33,9 +33,9 @@ def sequence_logprobs(params: Params, config: Qwen3Config, token_ids: jax.Array)
     """
     num_seqs, length = token_ids.shape
     layout = _layout(num_seqs, length)
-    ids = jnp.zeros(layout.token_ids.shape, jnp.int32)
     rows = layout.sample_indices.reshape(num_seqs, length)
-    inputs = layout._replace(token_ids=ids.at[rows].set(jnp.asarray(token_ids, jnp.int32)))
+    ids = jnp.asarray(layout.token_ids).at[rows].set(jnp.asarray(token_ids, jnp.int32))
+    inputs = layout._replace(token_ids=ids)
     num_blocks = num_seqs * -(-length // BLOCK_SIZE)
     kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE)
     logits, _ = forward(params, config, kv_cache, inputs, PORTABLE)  # [B * L, V]
@@ -51,20 +51,16 @@ def _layout(num_seqs: int, length: int) -> ModelInputs:
     padded = -(-length // TILE) * TILE
     padding = padded - length
     blocks_per_seq = -(-length // BLOCK_SIZE)
+    tiles_per_seq = padded // TILE
+    inputs = ModelInputs.padding(
+        num_seqs * padded, num_seqs * tiles_per_seq, num_seqs * length, blocks_per_seq
+    )
     seq = np.arange(num_seqs)[:, None]
     rows = seq * padded + padding + np.arange(length)  # [B, L]
-    positions = np.zeros(num_seqs * padded, np.int32)
-    positions[rows] = np.arange(length)
-    slots = np.full(num_seqs * padded, -1, np.int32)
-    slots[rows] = (seq * blocks_per_seq) * BLOCK_SIZE + np.arange(length)
-    tiles_per_seq = padded // TILE
+    inputs.positions[rows] = np.arange(length)
+    inputs.slot_mapping[rows] = (seq * blocks_per_seq) * BLOCK_SIZE + np.arange(length)
     tables = seq * blocks_per_seq + np.arange(blocks_per_seq)  # [B, W]
-    context = (np.arange(tiles_per_seq) + 1) * TILE - padding  # [tiles per sequence]
-    return ModelInputs(
-        token_ids=np.zeros(num_seqs * padded, np.int32),
-        positions=positions,
-        slot_mapping=slots,
-        block_tables=np.repeat(tables, tiles_per_seq, axis=0).astype(np.int32),
-        context_lens=np.tile(context, num_seqs).astype(np.int32),
-        sample_indices=rows.reshape(-1).astype(np.int32),
-    )
+    inputs.block_tables[:] = np.repeat(tables, tiles_per_seq, axis=0)
+    inputs.context_lens[:] = np.tile((np.arange(tiles_per_seq) + 1) * TILE - padding, num_seqs)
+    inputs.sample_indices[:] = rows.reshape(-1)
+    return inputs

@@ -108,41 +108,42 @@ def plan_step(
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
     needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
+    tables = None
     if outline:
         width = max(min(len(seq.block_table), k) for seq, k in zip(seqs, needed, strict=True))
-        bucket, samples = _bucket_and_samples(
-            ladder, kind, seqs, ends.tolist(), counts, width, num_steps, all_rows
+    else:
+        tables = _block_table_rows(
+            [seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)]
         )
+        width = tables.shape[1]
+    if kind == "decode":  # every decode row samples (also when its token is still on the device)
+        bucket, samples = ladder.decode_bucket(len(seqs), width, num_steps), [True] * len(seqs)
+    else:  # a prefill chunk samples when it reaches its sequence's end
+        tile = ladder.prefill_tile
+        bucket = ladder.prefill_bucket(sum(-(-c // tile) for c in counts) * tile, width, all_rows)
+        samples = [end == seq.num_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
+    if outline:
         return StepPlan(seqs, starts, counts, samples, bucket, None, None)
-    tables = _block_table_rows([seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)])
-    bucket, samples = _bucket_and_samples(
-        ladder, kind, seqs, ends.tolist(), counts, tables.shape[1], num_steps, all_rows
-    )
+    inputs, _ = bucket.padding()
     if kind == "decode":
         token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
-        counts_array = np.ones_like(counts_array)  # a step's layout: one token each
-        ends = starts_array + 1
+        rows = _fill_decode(inputs, tables, starts_array, block_size)  # [n]
+        ends = starts_array + 1  # a step's layout: one token each
     else:
         token_ids = np.concatenate(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
-    inputs, _ = bucket.padding()
-    if kind == "decode":
-        rows = _fill_decode(inputs, tables, starts_array, block_size)  # [n]
-    else:
         rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
     steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
     step_slots = None
     if num_steps > 1:
-        step_slots = _step_slots(tables, starts_array, np.array(counts), block_size, bucket)
+        step_slots = _step_slots(tables, starts_array, counts_array, block_size, bucket)
     logprobs = all_rows or any(
         s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
     )
-    targets = None
-    if logprobs:
-        targets = np.full(bucket.num_sampled, -1, np.int32)
+    targets = np.full(bucket.num_sampled, -1, np.int32) if logprobs else None
     if all_rows:  # one sequence: its last row first, then the others, each with its next token
         (seq,) = seqs
         order = np.concatenate([rows[-1:], rows[:-1]])
@@ -157,27 +158,6 @@ def plan_step(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
         processors,
     )  # fmt: skip
-
-
-def _bucket_and_samples(
-    ladder: BucketLadder,
-    kind: StepKind,
-    seqs: list[Sequence],
-    ends: list[int],
-    counts: list[int],
-    width: int,
-    num_steps: int,
-    all_rows: bool,
-) -> tuple[Bucket, list[bool]]:
-    """A plan's bucket (tables `width` blocks wide) and whether each row samples its
-    sequence's next token: every decode row (also when its token is still on the device),
-    and a prefill chunk that reaches its sequence's end (`ends`)."""
-    if kind == "decode":
-        return ladder.decode_bucket(len(seqs), width, num_steps), [True] * len(seqs)
-    tile = ladder.prefill_tile
-    num_tokens = sum(-(-count // tile) for count in counts) * tile
-    samples = [end == seq.num_tokens for seq, end in zip(seqs, ends, strict=True)]
-    return ladder.prefill_bucket(num_tokens, width, all_rows), samples
 
 
 def _step_slots(

@@ -250,6 +250,8 @@ class Scheduler:
 
         def add_chunk(seq: Sequence) -> None:
             nonlocal budget
+            if seq.wants_prompt_logprobs:  # every row sampled: it goes alone
+                budget = self.ladder.all_rows_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             padded = -(-remaining // tile) * tile
             count = remaining if padded <= budget else budget
@@ -259,15 +261,13 @@ class Scheduler:
 
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         # NOTE: a chunk whose prompt logprobs are wanted has every row sampled: it goes alone.
-        for seq in prefilling:
-            if seq.wants_prompt_logprobs:
-                budget = self.ladder.all_rows_tokens
-                add_chunk(seq)
-                return "prefill", seqs, counts
-        for seq in prefilling:
+        alone = [seq for seq in prefilling if seq.wants_prompt_logprobs][:1]
+        for seq in alone or prefilling:
             if budget == 0:
                 break
             add_chunk(seq)
+        if alone:
+            return "prefill", seqs, counts
         compiling = []  # waiting for their grammars: those behind them go first
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -282,11 +282,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            if seq.wants_prompt_logprobs:
-                budget = self.ladder.all_rows_tokens
-                add_chunk(seq)
-                break
             add_chunk(seq)
+            if seq.wants_prompt_logprobs:
+                break
         self.waiting.extendleft(reversed(compiling))
         self._skipped_compiling = bool(compiling)
         return ("prefill", seqs, counts) if seqs else None
