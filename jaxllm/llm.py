@@ -245,8 +245,11 @@ class LLM:
                         self._step()
                     output = self._finished.pop(request_id, None)
                     live = self.engine.has_request(request_id)
+                    # NOTE: a completion that finished is left to the request's output, whose
+                    # text ends before its stop string.
                     new = [
-                        seq.output_token_ids[n:] for seq, n in zip(seqs, sent_tokens, strict=True)
+                        [] if seq.is_finished else seq.output_token_ids[n:]
+                        for seq, n in zip(seqs, sent_tokens, strict=True)
                     ]
                 if output is not None:
                     for done in output.outputs:

@@ -50,13 +50,35 @@ def test_n_samples_are_streams_of_their_own(make_llm):
     assert_idle(llm)
 
 
-def test_streamed_completions(text_llm):
-    params = SamplingParams(temperature=0.8, max_tokens=12, n=3, seed=1, ignore_eos=True)
-    (output,) = text_llm.generate("Once upon a time", params, use_tqdm=False)
-    texts, tokens = [""] * 3, [[], [], []]
-    for delta in text_llm.stream("Once upon a time", params):
+def stream_and_generate(llm, prompt: str, params: SamplingParams):
+    """The texts and token ids that `stream`'s deltas join to, and `generate`'s output."""
+    texts, tokens = [""] * params.n, [[] for _ in range(params.n)]
+    for delta in llm.stream(prompt, params):
         texts[delta.index] += delta.text
         tokens[delta.index] += delta.token_ids
+    (output,) = llm.generate(prompt, params, use_tqdm=False)
+    return texts, tokens, output
+
+
+def test_streamed_completions(text_llm):
+    params = SamplingParams(temperature=0.8, max_tokens=12, n=3, seed=1, ignore_eos=True)
+    texts, tokens, output = stream_and_generate(text_llm, "Once upon a time", params)
+    assert texts == [c.text for c in output.outputs]
+    assert tokens == [c.token_ids for c in output.outputs]
+
+
+def test_a_completion_stopped_early_streams_no_part_of_its_stop_string(text_llm):
+    """One completion hits its stop string while the others run on: its deltas still join to
+    its text, which ends before the stop string."""
+    prompt, base = "Once upon a time", dict(temperature=0.8, max_tokens=30, n=3, seed=1)
+    (free,) = text_llm.generate(prompt, SamplingParams(**base, ignore_eos=True), use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    params = SamplingParams(**base, ignore_eos=True, stop=[stop])
+    texts, tokens, output = stream_and_generate(text_llm, prompt, params)
+    first = output.outputs[0]
+    assert first.finish_reason == "stop" and stop not in first.text
+    assert len(first.token_ids) < max(len(c.token_ids) for c in output.outputs)
     assert texts == [c.text for c in output.outputs]
     assert tokens == [c.token_ids for c in output.outputs]
 
