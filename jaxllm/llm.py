@@ -238,6 +238,7 @@ class LLM:
         sent_tokens, sent_chars = [0] * len(seqs), [0] * len(seqs)
         try:
             with self._lock:
+                self.engine.check_awake()  # NOTE: again: it may have slept since `stream`
                 self.engine.add(request)
             while True:
                 with self._lock:  # NOTE: released at each yield, so other callers go on

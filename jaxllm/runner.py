@@ -158,11 +158,13 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forgets the steps dispatched so far and allocates the KV cache again (empty: the
-        scheduler's reset drops what it cached): a failed step may have deleted it by donation,
-        or left it in an error state."""
+        scheduler's reset drops what it cached), unless asleep: a failed step may have deleted
+        it by donation, or left it in an error state."""
+        asleep = self.kv_cache is None
         self._previous = self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
-        self.kv_cache = self._allocate_kv_cache()
+        if not asleep:
+            self.kv_cache = self._allocate_kv_cache()
 
     def update_params(self, params: Params, donate: bool = False) -> None:
         """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of

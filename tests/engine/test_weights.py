@@ -108,6 +108,24 @@ def test_sleep_frees_the_kv_cache_and_wake_up_restores_it(fresh_llm, checkpoint,
     assert_idle(fresh_llm)
 
 
+def test_a_stream_made_before_sleep_refuses_to_start_and_the_llm_stays_asleep(
+    fresh_llm, checkpoint, greedy_prompts
+):
+    prompt, params = greedy_prompts[4], greedy_params(NUM_TOKENS)
+    stream = fresh_llm.stream(prompt, params)  # queued at its first next()
+    fresh_llm.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        next(stream)
+    assert fresh_llm.engine.runner.kv_cache is None
+    assert not fresh_llm.engine.has_unfinished()
+    fresh_llm.engine.reset()  # as after a failed step: what sleeps stays asleep
+    assert fresh_llm.engine.runner.kv_cache is None
+    fresh_llm.wake_up()
+    (output,) = fresh_llm.generate([prompt], params, use_tqdm=False)
+    assert output.token_ids == checkpoint.greedy(prompt, NUM_TOKENS)
+    assert_idle(fresh_llm)
+
+
 def test_sleep_level_2_drops_the_weights_until_an_update(
     fresh_llm, other_llm, other_checkpoint, greedy_prompts
 ):
