@@ -304,12 +304,14 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         if isinstance(token, str) and token.isdigit():
             token = int(token)
         token, number = _token_id(token), as_real(number)
-        if token is None or number is None or not math.isfinite(number):
+        if token is None or number is None or not abs(number) <= FLOAT32_MAX:
             return None
         bias[token] = number
     return bias
 
 
+# NOTE: the device computes in float32: a larger number would be inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _STRINGS: Check = (
     lambda words: _as_tuple(words, _stop_string),
     lambda _: True,
@@ -319,8 +321,8 @@ _STRINGS: Check = (
 _CHECKS: dict[str, Check] = {
     "temperature": (
         as_real,
-        lambda t: 0.0 <= t < math.inf,
-        "a finite number >= 0 (0 means greedy)",
+        lambda t: 0.0 <= t <= FLOAT32_MAX,
+        "a finite float32 number >= 0 (0 means greedy)",
     ),
     "top_k": (as_int, lambda k: k >= -1, "an integer >= 0 (0 or -1 keeps every token)"),
     "top_p": (as_real, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]"),
@@ -342,13 +344,13 @@ _CHECKS: dict[str, Check] = {
     "frequency_penalty": (as_real, lambda p: -2.0 <= p <= 2.0, "a number in [-2, 2]"),
     "repetition_penalty": (
         as_real,
-        lambda p: 0.0 < p < math.inf,
-        "a finite number > 0 (1 is off)",
+        lambda p: 0.0 < p <= FLOAT32_MAX,
+        "a finite float32 number > 0 (1 is off)",
     ),
     "logit_bias": (
         _logit_bias,
         lambda _: True,
-        "None or a dict of token ids >= 0 to finite numbers",
+        "None or a dict of token ids >= 0 to finite float32 numbers",
     ),
     "allowed_token_ids": (
         lambda ids: None if isinstance(ids, str) else _as_tuple(ids, _token_id),

@@ -19,6 +19,9 @@ INVALID = [
     ("temperature", True),
     ("temperature", None),
     ("temperature", 10**400),  # too large for a float
+    ("temperature", 1e39),  # inf in float32, as the device computes
+    ("repetition_penalty", 1e39),
+    ("logit_bias", {7: -1e39}),
     ("temperature", np.bool_(True)),
     ("temperature", np.float32("nan")),
     ("temperature", 1j),
