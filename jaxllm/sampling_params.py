@@ -296,7 +296,7 @@ def _token_id(value: object) -> int | None:
 
 
 def _logit_bias(value: object) -> dict[int, float] | None:
-    """A dict of token ids (ints, or strings of them as JSON gives) to finite numbers."""
+    """A dict of token ids (ints, or strings of them as JSON gives) to finite float32 numbers."""
     if not isinstance(value, dict):
         return None
     bias = {}
