@@ -122,9 +122,10 @@ def decode_steps(
             token_ids=token_ids,
             positions=inputs.positions + j,
             slot_mapping=slots[j],
-            # NOTE: a row past its steps (slot -1), like padding, attends to nothing: its
-            # context would run past its block table.
-            context_lens=jnp.where(slots[j] >= 0, inputs.context_lens + j, 0),
+            # NOTE: a row past its steps (slot -1 after the first), like padding, attends to
+            # nothing: its context would run past its block table. At the first step, slot -1
+            # is a row whose K/V the cache holds already (`Sequence.kv_ahead`).
+            context_lens=jnp.where((slots[j] >= 0) | (j == 0), inputs.context_lens + j, 0),
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
         logits = apply_bitmask(logits, bitmask)

@@ -128,6 +128,8 @@ def plan_step(
     if kind == "decode":
         token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
         rows = _fill_decode(inputs, tables, starts_array, block_size)  # [n]
+        kv_ahead = np.fromiter((seq.kv_ahead for seq in seqs), bool, len(seqs))
+        inputs.slot_mapping[rows[kv_ahead]] = -1  # in the cache already: not written again
         ends = starts_array + 1  # a step's layout: one token each
     else:
         token_ids = np.concatenate(
@@ -140,6 +142,7 @@ def plan_step(
     step_slots = None
     if num_steps > 1:
         step_slots = _step_slots(tables, starts_array, counts_array, block_size, bucket)
+        step_slots[0] = inputs.slot_mapping
     logprobs = all_rows or any(
         s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
     )

@@ -168,6 +168,7 @@ class Scheduler:
         plan = plan_step(*shape, all_rows, new_slots, outline=self.outlines)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
+            seq.kv_ahead = False
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
             if samples and end + 1 - seq.num_prompt_tokens >= seq.max_tokens:
                 self._release(seq)
@@ -207,6 +208,7 @@ class Scheduler:
             kept = accepted.get(index, count)
             if kept < count:
                 end = seq.num_computed_tokens = seq.num_tokens + kept - 1
+                seq.kv_ahead = True  # the step that took its last kept token as input wrote it
                 self.block_pool.truncate(seq.block_table, end + 1, seq.params.extra_args)
             for num_read, token in enumerate(row[:kept] if samples and not seq.is_finished else []):
                 position = seq.num_tokens

@@ -363,3 +363,45 @@ def test_a_grammar_compiled_between_two_looks_does_not_fail_the_step():
     assert scheduler.schedule() is None
     plan = scheduler.schedule()
     assert plan is not None and plan.seqs == [seq]
+
+
+def refused_speculation(monkeypatch, kept: int):
+    """A scheduler whose one sequence's speculative plan at position 3 (the last of block 0,
+    which enters the prefix cache then) kept `kept` of its 4 tokens."""
+    import numpy as np
+
+    from jaxllm.sched import scheduler as scheduler_module
+
+    scheduler = make_scheduler(num_scheduler_steps=4)  # blocks of 4 tokens
+    seq = make_seq(scheduler, 3, max_tokens=12)
+    scheduler.update(scheduler.schedule(), np.array([7]))  # the prompt; position 3 is next
+    speculative = scheduler.schedule()
+    assert speculative.start_positions == [3] and speculative.bucket.num_steps == 4
+    assert scheduler.block_pool.block_hash(seq.block_table[0]) is not None
+    monkeypatch.setattr(scheduler_module, "accept_tokens", lambda *_: {0: kept})
+    scheduler.num_constrained = 1  # as if the row had a grammar
+    scheduler.update(speculative, np.full((4, 1), 9))
+    scheduler.num_constrained = 0
+    return scheduler, seq
+
+
+@pytest.mark.parametrize("kept", [0, 2])
+def test_after_refused_speculative_tokens_the_kept_kv_is_not_written_again(monkeypatch, kept):
+    """The next plan computes the last kept position's logits again without writing its K/V,
+    which the cache holds (in a block of the prefix cache, with `kept` 0)."""
+    scheduler, _ = refused_speculation(monkeypatch, kept)
+    again = scheduler.schedule()
+    assert again.start_positions == [3 + kept]
+    assert again.inputs.slot_mapping[0] == again.step_slots[0, 0] == -1
+    assert (again.step_slots[1:, 0] >= 0).all()  # the positions after it: new tokens
+
+
+def test_a_sequence_preempted_after_refused_tokens_writes_its_kv_again(monkeypatch):
+    """Preempted, it comes back with block 0 from the prefix cache and position 4 to compute
+    in a new block: the plan that admits it writes it."""
+    scheduler, seq = refused_speculation(monkeypatch, 1)
+    scheduler.running.remove(seq)
+    scheduler._preempt(seq)
+    plan = scheduler.schedule()
+    assert plan.start_positions == [4] and seq.block_table[0] == 0
+    assert plan.inputs.slot_mapping[plan.inputs.sample_indices[0]] == seq.block_table[1] * 4
