@@ -157,14 +157,12 @@ class ModelRunner:
         return allocate_above_a_gap(self._allocate, bitmask_bytes, self._replicated)
 
     def reset(self) -> None:
-        """Forgets the steps dispatched so far and allocates the KV cache again (empty: the
-        scheduler's reset drops what it cached), unless asleep: a failed step may have deleted
-        it by donation, or left it in an error state."""
-        asleep = self.kv_cache is None
-        self._previous = self.kv_cache = None  # NOTE: freed before its successor is allocated
+        """Forgets the steps dispatched so far; awake, allocates the KV cache again, empty (a
+        failed step may have deleted it by donation, or left it in an error state)."""
+        awake, self._previous = self.kv_cache is not None, None
+        self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
-        if not asleep:
-            self.kv_cache = self._allocate_kv_cache()
+        self.kv_cache = self._allocate_kv_cache() if awake else None
 
     def update_params(self, params: Params, donate: bool = False) -> None:
         """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of
