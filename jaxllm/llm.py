@@ -160,11 +160,14 @@ class LLM:
 
         Raises:
             ValueError: `path` is a non-empty directory (without `overwrite`) or not a directory.
+            RuntimeError: the weights were dropped by sleep(level=2).
         """
         from jaxllm.model.checkpoint import save_model
 
         eos = list(self.engine.scheduler.config.eos_token_ids)
         with self._lock:
+            if self.params is None:
+                raise RuntimeError("no weights to save: sleep(level=2) dropped them")
             save_model(path, self.model_config, self.params, self.tokenizer, eos, overwrite)
 
     def generate(

@@ -74,9 +74,11 @@ def configure_compilation_cache() -> Path | None:
 
 def resolve_model(model: str) -> str:
     """A local directory or `random:<shape>` for `model`; Hub ids are downloaded if possible."""
-    if model.startswith(RANDOM_PREFIX) or Path(model).is_dir():
+    if model.startswith(RANDOM_PREFIX):
         return model
-    if Path(model).exists():
+    if Path(model).expanduser().is_dir():  # NOTE: as `LLM.save` writes it
+        return str(Path(model).expanduser())
+    if Path(model).expanduser().exists():
         raise FileNotFoundError(f"model path {model!r} is not a directory")
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if not looks_like_hub_id:

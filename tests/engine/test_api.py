@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -112,10 +113,12 @@ def test_prompt_forms(llm):
     assert text_output.prompt_token_ids == llm.tokenizer.encode("\x05\x06")
 
 
-def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path):
-    llm.save(tmp_path / "saved")
+def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    llm.save("~/saved")
+    assert (tmp_path / "saved").is_dir()
 
-    loaded = LLM(tmp_path / "saved", **BASE_SETTINGS)  # a path object works too
+    loaded = LLM(Path("~/saved"), **BASE_SETTINGS)  # "~" and a path object work too
 
     assert loaded.model_config == llm.model_config
     assert loaded.engine.scheduler.config == llm.engine.scheduler.config

@@ -127,11 +127,14 @@ def test_a_stream_made_before_sleep_refuses_to_start_and_the_llm_stays_asleep(
 
 
 def test_sleep_level_2_drops_the_weights_until_an_update(
-    fresh_llm, other_llm, other_checkpoint, greedy_prompts
+    fresh_llm, other_llm, other_checkpoint, greedy_prompts, tmp_path
 ):
     prompt, params = greedy_prompts[5], greedy_params(NUM_TOKENS)
     fresh_llm.sleep(level=2)
     assert fresh_llm.params is None
+    with pytest.raises(RuntimeError, match="no weights to save"):
+        fresh_llm.save(tmp_path / "saved")
+    assert list(tmp_path.iterdir()) == []  # nothing written
     fresh_llm.wake_up()
     with pytest.raises(RuntimeError, match="update_params"):
         fresh_llm.generate([prompt], params, use_tqdm=False)
