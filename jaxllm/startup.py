@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
@@ -35,7 +34,7 @@ from jaxllm.model.checkpoint import (
     load_config,
     load_params,
 )
-from jaxllm.model.config import Qwen3Config, param_bytes
+from jaxllm.model.config import Qwen3Config, param_bytes, read_json
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
@@ -104,8 +103,11 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
         ids.add(int(tokenizer.eos_token_id))
     generation_config = Path(model_path) / "generation_config.json"
     if generation_config.is_file():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+        eos = read_json(generation_config).get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else eos or []
+        if not all(isinstance(token, int) for token in eos):
+            raise ValueError(f"{generation_config}: eos_token_id must be token ids, got {eos}")
+        ids.update(eos)
     return tuple(sorted(ids))
 
 

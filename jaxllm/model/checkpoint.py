@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 from jax.sharding import Mesh
 
-from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes
+from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes, read_json
 from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import Params, init_params, sharded_param_shapes
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
@@ -174,7 +174,7 @@ def _verify(path: Path, manifest: dict[str, Any], tree: Params, checksum: bool) 
 
 
 def _saved_config(path: Path) -> Qwen3Config:
-    return Qwen3Config(**json.loads((path / CONFIG_FILE).read_text()))
+    return Qwen3Config(**read_json(path / CONFIG_FILE))
 
 
 def load_orbax_checkpoint(
@@ -195,7 +195,7 @@ def load_orbax_checkpoint(
     path = Path(path).absolute()
     saved = _saved_config(path)
     manifest_file = path / MANIFEST_FILE
-    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+    manifest = read_json(manifest_file) if manifest_file.exists() else None
     target = sharded_param_shapes(saved, mesh or make_mesh(1))
     if manifest is not None:
         _verify(path, manifest, target, checksum=False)

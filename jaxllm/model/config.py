@@ -92,7 +92,7 @@ class Qwen3Config:
             path = Path(path_or_dict)
             if path.is_dir():
                 path = path / "config.json"
-            hf = json.loads(path.read_text())
+            hf = read_json(path)
         architectures = hf.get("architectures") or []
         unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
         if unsupported:
@@ -129,6 +129,18 @@ class Qwen3Config:
             max_position_embeddings=hf.get("max_position_embeddings", 40_960),
             dtype=hf.get("torch_dtype") or hf.get("dtype") or "float32",
         )
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file's contents (a checkpoint's config, manifest, index ...).
+
+    Raises:
+        ValueError: the file is not valid JSON, naming it.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
 def param_bytes(config: Qwen3Config, tensor_parallel_size: int = 1) -> int:

@@ -15,7 +15,6 @@ Legend: D model dim, N query heads, K kv heads, G = N / K, H head dim, F ffn dim
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from jaxllm.model.config import Qwen3Config
+from jaxllm.model.config import Qwen3Config, read_json
 from jaxllm.model.qwen3 import Params, abstract_params, param_shardings
 from jaxllm.model.sharding import make_mesh
 
@@ -166,7 +165,7 @@ def safetensors_files(path: Path) -> list[Path]:
         if not files:
             raise CheckpointError(f"no *.safetensors files in {path}")
         return files
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    names = sorted(set(read_json(index)["weight_map"].values()))
     root, problems = path.resolve(), []
     for name in names:
         file = path / name

@@ -213,3 +213,25 @@ def test_params_that_do_not_fit_are_refused_before_they_are_made(saved, monkeypa
         load_params("random:qwen3-tiny")
     with pytest.raises(ValueError, match=r"more than the 0\.00 GB available"):
         load_params(path)
+
+
+@pytest.mark.parametrize("name", [CONFIG_FILE, MANIFEST_FILE])
+def test_a_file_of_the_checkpoint_that_is_not_json_is_named(saved, name):
+    path, _, _ = saved
+    (path / name).write_text("{")
+    with pytest.raises(ValueError, match=rf"{name} is not valid JSON"):
+        load_params(path)
+
+
+def test_model_files_that_are_not_json_or_name_no_token_ids_are_named(tmp_path):
+    from jaxllm.startup import eos_token_ids
+
+    (tmp_path / "config.json").write_text('{"architectures": ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        Qwen3Config.from_hf(tmp_path)
+    tokenizer = SimpleNamespace(eos_token_id=1)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 3]}')
+    assert eos_token_ids(tokenizer, str(tmp_path)) == (1, 2, 3)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be"):
+        eos_token_ids(tokenizer, str(tmp_path))
