@@ -71,8 +71,9 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
 
 
 def _check_writable(path: Path, overwrite: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"cannot save to {path}: it exists and is not a directory")
+    existing = next(entry for entry in (path, *path.parents) if entry.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot save to {path}: {existing} exists and is not a directory")
     if path.is_dir() and not overwrite and any(path.iterdir()):
         raise ValueError(
             f"cannot save to {path}: the directory is not empty (pass overwrite=True to replace "

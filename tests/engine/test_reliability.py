@@ -154,6 +154,9 @@ def test_save_never_overwrites_a_users_files(llm, tmp_path):
     assert (target / "notes.txt").read_text() == "keep"
     assert (target / "generation_config.json").read_text() != "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+    for path in (target / "notes.txt", target / "notes.txt" / "model"):
+        with pytest.raises(ValueError, match=r"notes\.txt exists and is not a directory"):
+            llm.save(path)
 
 
 def test_empty_model_name_is_refused():
