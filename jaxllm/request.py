@@ -81,7 +81,7 @@ def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs |
 
 
 def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> CompletionOutput:
-    stop_strings: StopStrings | None = seq.stop_strings  # the engine's
+    stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
     if stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
     else:
