@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
 
+    from jaxllm import structured as grammars
     from jaxllm.llm import LLM
     from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+    # What the flags alone decide is refused before the engine starts (tens of seconds).
     try:
         structured = None
         if any(kind is not None for kind in (args.json_schema, args.regex, args.choice)):
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 choice=args.choice,
                 disable_any_whitespace=args.disable_any_whitespace,
             )
+            grammars.check(structured)
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -73,16 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             structured_outputs=structured,
         )
-    except (OSError, ValueError) as error:
+    except (ImportError, OSError, ValueError) as error:
         parser.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
     for setting in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, setting) is not None:
             kwargs[setting] = getattr(args, setting)
-    llm = LLM(args.model, **kwargs)
+    try:
+        llm = LLM(args.model, **kwargs)
+    except (OSError, TypeError, ValueError) as error:  # a flag out of range, a missing model
+        parser.error(str(error))
     prompts = args.prompts or ["The capital of France is"]
-    # NOTE: what the engine refuses, it refuses before any work (a schema llguidance rejects, a
-    # prompt too long, the structured extra missing).
+    # NOTE: what the engine refuses, it refuses before any work (a prompt too long).
     try:
         if args.command == "generate":
             outputs = llm.generate(prompts, params)

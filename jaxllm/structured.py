@@ -194,6 +194,47 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
     return kept
 
 
+def check(params: StructuredOutputsParams) -> None:
+    """Checks `params`' schema, regex or grammar without a tokenizer (the command line, before
+    an engine starts); `Grammars.compile` checks it again with the engine's.
+
+    Raises:
+        ValueError: an invalid schema, regex or grammar, naming the field and the reason.
+        ImportError: llguidance is not installed, naming the extra that brings it.
+    """
+    _grammar(_import("llguidance"), params, None)
+
+
+def _import(module: str):
+    """An llguidance module; ImportError naming the extra that brings it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(EXTRA_HINT) from error
+
+
+def _grammar(llguidance, params: StructuredOutputsParams, lltokenizer) -> str:
+    """`params`' llguidance grammar, validated against `lltokenizer` (None: any).
+
+    Raises:
+        ValueError: an invalid schema, regex or grammar, naming the field and the reason.
+    """
+    kind, text = params.spec
+    try:
+        if kind == "json":
+            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
+        else:
+            grammar = llguidance.grammar_from(kind, text)
+        error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+    except ValueError as raised:
+        error = str(raised)
+    if error:
+        field = "json_object" if params.json_object else kind
+        raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
+    return grammar
+
+
 def _allows(mask: np.ndarray, token: int) -> bool:
     """Whether a row of a token bitmask allows `token`."""
     return bool((mask[token // 32] >> (token % 32)) & 1)
@@ -241,11 +282,7 @@ class Grammars:
             ImportError: llguidance is not installed, naming the extra that brings it.
         """
         if self._llguidance is None:
-            try:
-                llguidance = importlib.import_module("llguidance")
-                hf = importlib.import_module("llguidance.hf")
-            except ImportError as error:
-                raise ImportError(EXTRA_HINT) from error
+            llguidance, hf = _import("llguidance"), _import("llguidance.hf")
             if len(self._tokenizer) > self.vocab_size:
                 raise ValueError(
                     f"structured outputs need the model's vocabulary ({self.vocab_size}) to hold "
@@ -271,18 +308,7 @@ class Grammars:
         key = (kind, text, params.disable_any_whitespace)
         compiled = self._compiled.get(key)
         if compiled is None:
-            field = "json_object" if params.json_object else kind
-            try:
-                if kind == "json":
-                    options = {"whitespace_flexible": not params.disable_any_whitespace}
-                    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
-                else:
-                    grammar = llguidance.grammar_from(kind, text)
-                error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
-            except ValueError as raised:
-                error = str(raised)
-            if error:
-                raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
+            grammar = _grammar(llguidance, params, self._lltokenizer)
             compiled = self._compiler.submit(self._matchers, grammar)
             self._compiled[key] = compiled
         return compiled

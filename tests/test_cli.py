@@ -125,9 +125,31 @@ def test_constrained_generation_from_the_command_line(capsys, tmp_path):
         (["--regex", "(unclosed"], "StructuredOutputsParams.regex is invalid"),
     ],
 )
-def test_bad_constraints_exit_with_the_reason(flags, message, capsys):
+def test_bad_constraints_exit_with_the_reason_before_the_engine_starts(
+    flags, message, capsys, monkeypatch
+):
     pytest.importorskip("llguidance")
+    monkeypatch.setattr("jaxllm.llm.LLM", engine_must_not_start)
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "A", *SMALL, *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def engine_must_not_start(*args, **kwargs):
+    raise AssertionError("the engine started")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-model-len", "0"], "max_model_len must be"),
+        (["--tp", "3"], "tensor_parallel_size must be 1, 2, 4 or 8, got 3"),
+        (["--model", "no/such/dir"], "does not exist"),
+    ],
+)
+def test_bad_engine_flags_exit_with_the_reason(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "A", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
