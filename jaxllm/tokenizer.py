@@ -64,6 +64,10 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
         model_path: a model directory with its own tokenizer files (loaded with AutoTokenizer from
             local files only), a directory without them or None (the embedded Qwen3 tokenizer), or
             a Hugging Face repo id already in the local cache.
+
+    Raises:
+        ValueError: a tokenizer file that is not valid, naming the model and the reason.
+        OSError: a repo id not in the local cache.
     """
     if model_path is None:
         return qwen3_tokenizer()
@@ -74,7 +78,12 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
     # the embedded tokenizer needs neither.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (KeyError, TypeError, ValueError) as error:  # a tokenizer file that is not valid
+        raise ValueError(
+            f"cannot load the tokenizer of {model_path}: {type(error).__name__}: {error}"
+        ) from error
 
 
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:

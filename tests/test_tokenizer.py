@@ -203,3 +203,10 @@ def test_the_engine_imports_no_torch():
     assert_import_leaves_out(
         "jaxllm.startup, jaxllm.llm", {"transformers.models.auto.tokenization_auto"}
     )
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"model": 1}'])
+def test_a_tokenizer_file_that_is_not_valid_is_named(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"cannot load the tokenizer of {tmp_path}: \w+"):
+        load_tokenizer(str(tmp_path))

@@ -189,7 +189,8 @@ def load_orbax_checkpoint(
     (saved by an older jaxllm) loads unverified.
 
     Raises:
-        CheckpointError: naming every leaf whose shape, dtype or checksum is not the manifest's.
+        CheckpointError: naming every leaf whose shape, dtype or checksum is not the manifest's,
+            or the first error reading the array files (one missing or cut short).
     """
     import orbax.checkpoint as ocp
 
@@ -201,7 +202,14 @@ def load_orbax_checkpoint(
     if manifest is not None:
         _verify(path, manifest, target, checksum=False)
     # NOTE: read in the saved dtype, so that the checksums are of the saved bytes.
-    params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    try:
+        params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    except Exception as error:  # NOTE: tensorstore raises bare Exceptions, the reason inside
+        cause = error
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        reason = str(cause).splitlines()[0][:500]
+        raise CheckpointError(f"cannot read the orbax checkpoint {path}: {reason}") from error
     if manifest is not None:
         _verify(path, manifest, params, checksum=True)
     config = saved.replace(dtype=dtype or saved.dtype)

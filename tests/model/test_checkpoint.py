@@ -235,3 +235,18 @@ def test_model_files_that_are_not_json_or_name_no_token_ids_are_named(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
     with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be"):
         eos_token_ids(tokenizer, str(tmp_path))
+
+
+# NOTE: orbax leaves the reads of the other arrays unawaited when one fails.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_an_array_file_cut_short_or_missing_is_a_checkpoint_error(saved, damage):
+    path, _, _ = saved
+    files = [file for file in (path / PARAMS_DIR).rglob("*") if file.is_file()]
+    largest = max(files, key=lambda file: file.stat().st_size)
+    if damage == "truncate":
+        largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    else:
+        largest.unlink()
+    with pytest.raises(CheckpointError, match=rf"cannot read the orbax checkpoint {path}: \S"):
+        load_params(path)
