@@ -40,11 +40,7 @@ CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL = "random:qwen3-tiny", "random:qwen3-0.6b"
 MODEL_ENV = "JAXLLM_MODEL"
 # NOTE: each bucket takes about half a second to compile on a 2-core CPU, where it is compiled
 # the first time a step needs it; the embedded default there gets a smaller ladder.
-CPU_DEFAULT_ENGINE_KWARGS = {
-    "max_num_seqs": 16,
-    "max_model_len": 1024,
-    "max_num_batched_tokens": 1024,
-}
+CPU_DEFAULT_ENGINE_KWARGS = dict(max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=1024)
 
 
 @dataclass(frozen=True)
