@@ -75,9 +75,10 @@ def resolve_model(model: str) -> str:
     """A local directory or `random:<shape>` for `model`; Hub ids are downloaded if possible."""
     if model.startswith(RANDOM_PREFIX):
         return model
-    if Path(model).expanduser().is_dir():  # NOTE: as `LLM.save` writes it
-        return str(Path(model).expanduser())
-    if Path(model).expanduser().exists():
+    local = Path(model).expanduser()
+    if local.is_dir():  # NOTE: as `LLM.save` writes it
+        return str(local)
+    if local.exists():
         raise FileNotFoundError(f"model path {model!r} is not a directory")
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if not looks_like_hub_id:
@@ -134,15 +135,12 @@ def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platfor
             f"max_model_len={max_model_len} is more than the model's max_position_embeddings "
             f"({limit}); lower it, or leave it None"
         )
-    compile_at_startup = config.compile_at_startup
-    if compile_at_startup is None:
-        compile_at_startup = platform.gpu
-    num_steps = config.num_scheduler_steps or platform.num_scheduler_steps
+    if config.compile_at_startup is None:
+        config = dataclasses.replace(config, compile_at_startup=platform.gpu)
     return dataclasses.replace(
         config,
         max_model_len=max_model_len,
-        compile_at_startup=compile_at_startup,
-        num_scheduler_steps=num_steps,
+        num_scheduler_steps=config.num_scheduler_steps or platform.num_scheduler_steps,
     )
 
 
