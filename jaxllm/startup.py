@@ -182,10 +182,10 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     # NOTE: the device's memory before this engine's weights (the KV cache is sized from it)
     memory = jax.local_devices()[0].memory_stats() or {}
     params_bytes = param_bytes(model_config, config.tensor_parallel_size)
+    per_block = kv_cache_bytes_per_block(
+        model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
+    )
     if config.num_kvcache_blocks:
-        per_block = kv_cache_bytes_per_block(
-            model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
-        )
         check_fits(
             f"the params and the KV cache ({config.num_kvcache_blocks} blocks of {block_size} "
             "tokens)",
@@ -203,7 +203,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             if platform.gpu and not config.num_kvcache_blocks:
                 scratch = step_scratch_bytes(model_config, mesh, largest, block_size, kernels)
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
-                config, model_config, scratch, largest, platform, memory, params_bytes
+                config, model_config, scratch, largest, platform, memory, params_bytes, per_block
             )
         if num_blocks * block_size < config.max_model_len:
             raise ValueError(
@@ -279,16 +279,13 @@ def fit_num_blocks(
     platform: Platform,
     memory: dict[str, int],
     params_bytes: int,
+    per_block: int,
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device (its `memory_stats()` before the
-    params were placed) beside the params and `scratch`, the memory of the `largest` step
-    (`step_scratch_bytes`; None: an estimate); on a CPU, the blocks of max_num_seqs
-    max_model_len requests within `CPU_KV_CACHE_BYTES`."""
-    block_size = config.kvcache_block_size
-    per_block = kv_cache_bytes_per_block(
-        model_config, block_size, tensor_parallel_size=config.tensor_parallel_size
-    )
-    blocks_per_seq = -(-config.max_model_len // block_size)
+    """KV blocks of `per_block` bytes that fit in `memory_fraction` of the device (its
+    `memory_stats()` before the params were placed) beside the params and `scratch`, the memory
+    of the `largest` step (`step_scratch_bytes`; None: an estimate); on a CPU, the blocks of
+    max_num_seqs max_model_len requests within `CPU_KV_CACHE_BYTES`."""
+    blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)
     if not platform.gpu:
         wanted = config.max_num_seqs * blocks_per_seq
         return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
