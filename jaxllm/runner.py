@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm import steps
@@ -44,12 +44,6 @@ logger = logging.getLogger(__name__)
 # NOTE: XLA's compiler releases the GIL and most of one compile is single-threaded, so start-up
 # compiles this many executables at once on threads (as JetStream's AOT warm-up does).
 COMPILE_THREADS = 8
-
-
-def _shapes(arrays: Iterable[np.ndarray], sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-    """The packed array of `arrays`, as a shape to lower for."""
-    size = sum(np.asarray(array).size for array in arrays)
-    return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding)
 
 
 class ModelRunner:
@@ -204,8 +198,11 @@ class ModelRunner:
         buckets, sampler_modes = list(buckets), tuple(sampler_modes)
         single = [bucket for bucket in buckets if bucket.num_steps == 1]
         rows = sorted({bucket.num_sampled for bucket in single})
-        packed = functools.partial(_shapes, sharding=self._replicated)
         shape = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
+
+        def packed(arrays: Iterable[np.ndarray]) -> jax.ShapeDtypeStruct:  # as `pack` packs them
+            return shape((sum(map(np.size, arrays)),), jnp.int32)
+
         logits = {n: shape((n, self.config.vocab_size), jnp.float32) for n in rows}
         params, cache, no_tokens = self._param_shapes, self._cache_shapes, self._no_tokens
         options = self.kernels.compiler_options
