@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 import xxhash
+from flax.traverse_util import flatten_dict
 from jax.sharding import Mesh
 
 from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes, read_json
@@ -135,15 +136,10 @@ def save_params(path: str | Path, config: Qwen3Config, params: Params) -> None:
     checkpointer.save(path / PARAMS_DIR, params)
     checkpointer.wait_until_finished()
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
-    leaves = {name: _describe(leaf, checksum=True) for name, leaf in _named_leaves(params)}
+    flat = flatten_dict(params, sep="/")
+    leaves = {name: _describe(leaf, checksum=True) for name, leaf in flat.items()}
     manifest = {"checksum": "xxh3_64", "leaves": leaves}
     (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-
-
-def _named_leaves(tree: Params) -> list[tuple[str, Any]]:
-    """(path "a/b/c", leaf) for each leaf of `tree`."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(keys, simple=True, separator="/"), leaf) for keys, leaf in flat]
 
 
 def _describe(leaf: Any, checksum: bool) -> dict[str, Any]:
@@ -159,7 +155,7 @@ def _verify(path: Path, manifest: dict[str, Any], tree: Params, checksum: bool) 
     """Raises a CheckpointError naming every leaf of `tree` whose shape, dtype or (if asked)
     checksum differs from the manifest's, and every leaf that only one of them has."""
     saved = manifest["leaves"]
-    found = {name: _describe(leaf, checksum) for name, leaf in _named_leaves(tree)}
+    found = {name: _describe(leaf, checksum) for name, leaf in flatten_dict(tree, sep="/").items()}
     problems = [f"{name}: in the manifest, not in the model" for name in saved.keys() - found]
     problems += [f"{name}: in the model, not in the manifest" for name in found.keys() - saved]
     for name in sorted(found.keys() & saved.keys()):
