@@ -1,12 +1,8 @@
 """Orbax checkpoints of the param tree, and `load_params`, the one entry point for weights.
 
-Every loader takes the "tp" mesh (`sharding.make_mesh`; default: the first device alone) and puts
-on each device only its blocks. `load_params` first checks that the params fit in the memory
-available (`check_params_fit`), from the config alone, before anything is allocated.
-
-A checkpoint is written into a temporary sibling directory and renamed into place
-(`atomic_directory`), with a manifest of every param's shape, dtype and checksum that loading
-verifies.
+A checkpoint is written atomically (`atomic_directory`), with a manifest of every param's shape,
+dtype and checksum that loading verifies. Every loader puts on each device of the "tp" mesh
+(default: the first device alone) only its blocks, once `check_params_fit` has found room.
 """
 
 from __future__ import annotations
