@@ -22,7 +22,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.sharding import logical_to_spec, tensor_parallel_size
+from jaxllm.model.sharding import check_tensor_parallel, logical_to_spec, tensor_parallel_size
 
 # The logical axes of the keys and of the values arrays (see sharding.py).
 KV_CACHE_AXES = ("layers", "blocks", "block_offset", "kv_heads", "head_dim")
@@ -88,13 +88,10 @@ def allocate_kv_cache(
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if mesh is not None:
+        check_tensor_parallel(config, tensor_parallel_size(mesh))
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     zeros = functools.partial(jnp.zeros, shape, dtype or config.jnp_dtype)
-    if mesh is not None and config.num_kv_heads % tensor_parallel_size(mesh):
-        raise ValueError(
-            f"num_kv_heads ({config.num_kv_heads}) is not divisible by the mesh's "
-            f"tensor_parallel_size ({tensor_parallel_size(mesh)})"
-        )
     shardings = None if mesh is None else _shardings(mesh)
     return jax.jit(lambda: KVCache(zeros(), zeros()), out_shardings=shardings)()
 
