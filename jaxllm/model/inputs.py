@@ -128,7 +128,6 @@ class SamplingInputs(NamedTuple):
 
 
 def fold_seed(seed: int) -> int:
-    """A seed in [0, 2**64) folded to 32 bits: the xor of its halves. NOTE: with the high half
-    beside it (`SamplingInputs.seed_high`) the pair is the whole seed, and a seed below 2**32
-    is its own fold."""
+    """A seed in [0, 2**64) folded to 32 bits: the xor of its halves (a seed below 2**32 is its
+    own fold; `SamplingInputs.seed_high` keeps the high half)."""
     return (seed ^ (seed >> 32)) & 0xFFFF_FFFF
