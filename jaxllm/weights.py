@@ -15,8 +15,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.loader import TIED_EXTRA, expected_tensors
-
-Params = Any
+from jaxllm.model.qwen3 import Params
 
 
 def is_hf_named(params: Any) -> bool:
