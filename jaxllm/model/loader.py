@@ -238,16 +238,15 @@ def load_hf_checkpoint(
             if not (name == TIED_EXTRA and config.tie_word_embeddings):
                 problems.append(f"unmapped tensor {name}")
         for name, tensor in expected.items():
-            if name in handles:
-                hf_slice = handles[name].get_slice(name)
-                shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
-                if shape != tensor.hf_shape:
-                    problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
-                if hf_dtype not in FLOAT_DTYPES:
-                    expected_dtypes = ", ".join(FLOAT_DTYPES)
-                    problems.append(
-                        f"tensor {name} has dtype {hf_dtype}, expected one of {expected_dtypes}"
-                    )
+            if name not in handles:
+                continue
+            hf_slice = handles[name].get_slice(name)
+            shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
+            if shape != tensor.hf_shape:
+                problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
+            if hf_dtype not in FLOAT_DTYPES:
+                floats = ", ".join(FLOAT_DTYPES)
+                problems.append(f"tensor {name} has dtype {hf_dtype}, expected one of {floats}")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
