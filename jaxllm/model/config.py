@@ -86,13 +86,10 @@ class Qwen3Config:
         Raises:
             ValueError: the architecture, model type or a feature is not supported.
         """
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-        else:
-            path = Path(path_or_dict)
-            if path.is_dir():
-                path = path / "config.json"
-            hf = read_json(path)
+        hf = path_or_dict
+        if not isinstance(hf, dict):
+            path = Path(hf)
+            hf = read_json(path / "config.json" if path.is_dir() else path)
         architectures = hf.get("architectures") or []
         unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
         if unsupported:
