@@ -157,17 +157,7 @@ def _build_tokenizer():
             merges.append((to_text(left), to_text(right)))
     byte_level = dict(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=False,
-        )
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="")
     )
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
