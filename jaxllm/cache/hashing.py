@@ -24,12 +24,9 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -
         parent_hash: the previous block's hash; None for the first block of a sequence.
         token_ids: [block_size] the token ids of this block.
     """
-    hasher = xxhash.xxh64()
-    if parent_hash is not None:
-        # NOTE: a root block hashes its tokens only, so no parent value can imitate "no parent".
-        hasher.update(parent_hash.to_bytes(8, "little"))
-    hasher.update(pack_token_ids(token_ids))
-    return hasher.intdigest()
+    # NOTE: a root block hashes its tokens only, so no parent value can imitate "no parent".
+    parent = b"" if parent_hash is None else parent_hash.to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(parent + pack_token_ids(token_ids))
 
 
 def extend_block_hashes(
