@@ -62,29 +62,12 @@ class Sequence:
     """
 
     __slots__ = (
-        "_tokens",
-        "block_hashes",
-        "block_table",
-        "finish_reason",
-        "grammar",
-        "kv_ahead",
-        "max_tokens",
-        "num_cached_tokens",
-        "num_computed_tokens",
-        "num_preemptions",
-        "num_prompt_tokens",
-        "num_tokens",
-        "output_logprobs",
-        "output_token_ids",
-        "params",
-        "parent",
-        "processors",
-        "prompt_logprobs",
-        "seq_id",
-        "status",
-        "stop_strings",
+        "_tokens", "block_hashes", "block_table", "finish_reason", "grammar", "kv_ahead",
+        "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
+        "num_prompt_tokens", "num_tokens", "output_logprobs", "output_token_ids", "params",
+        "parent", "processors", "prompt_logprobs", "seq_id", "status", "stop_strings",
         "stop_token_ids",
-    )
+    )  # fmt: skip
 
     def __init__(
         self,
