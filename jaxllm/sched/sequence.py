@@ -138,10 +138,8 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """Running, with prompt tokens not yet computed."""
-        return (
-            self.status is SequenceStatus.RUNNING
-            and self.num_computed_tokens < self.num_prompt_tokens
-        )
+        running = self.status is SequenceStatus.RUNNING
+        return running and self.num_computed_tokens < self.num_prompt_tokens
 
     def append_token(self, token_id: int, logprobs: np.ndarray | None = None) -> None:
         """Appends one generated token, and its logprobs if the sequence asked for them
