@@ -21,12 +21,11 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
-from jaxllm.prompts import SinglePrompt, parse_prompts
+from jaxllm.prompts import Prompt, parse_prompts
 from jaxllm.request import Request
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams, shown
 from jaxllm.startup import start_engine
 
-Prompt = SinglePrompt
 Message = dict[str, str]
 
 

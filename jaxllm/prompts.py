@@ -22,7 +22,7 @@ import numpy as np
 from jaxllm.sampling_params import as_int, shown
 
 TokenIds = Sequence[int] | np.ndarray
-SinglePrompt = str | TokenIds | dict[str, Any]
+Prompt = str | TokenIds | dict[str, Any]
 
 ALLOWED = (
     "a string, token ids (a list, tuple or 1-d integer numpy array), {'prompt': str} or "
@@ -38,7 +38,7 @@ class ParsedPrompt(NamedTuple):
     token_ids: list[int] | None
 
 
-def parse_prompts(prompts: SinglePrompt | Iterable[SinglePrompt]) -> list[ParsedPrompt]:
+def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
     """The prompts of one call, in order; an empty collection gives [].
 
     Raises:
