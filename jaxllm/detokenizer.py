@@ -124,8 +124,7 @@ class StopStrings:
     """Detokenizes one request's output as it grows and finds its stop strings in the text.
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
-    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`: a
-    U+FFFD counts once its bytes are known invalid, never while a character is incomplete) and
+    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`) and
     `min_tokens` tokens exist; `text` is then the output up to it. No prompt context: the text
     must equal the output tokens decoded alone (as without stop strings), also when the prompt
     ends inside a multi-byte character.
