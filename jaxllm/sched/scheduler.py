@@ -262,7 +262,6 @@ class Scheduler:
             counts.append(count)
 
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        # NOTE: a chunk whose prompt logprobs are wanted has every row sampled: it goes alone.
         alone = [seq for seq in prefilling if seq.wants_prompt_logprobs][:1]
         for seq in alone or prefilling:
             if budget == 0:
