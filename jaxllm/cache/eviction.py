@@ -2,8 +2,7 @@
 
 Every operation is O(1) (LRU, MRU) or amortised O(log n) (FIFO, LFU): pools hold 10^4-10^5
 blocks. A new policy is usually a `PriorityPolicy` subclass with a `priority` method. A policy
-may read what the pool knows of a block (`info`: the metadata and length of the request that
-held it, the pool's clock, its hits, its place in its prefix) and refuse to keep a freed block
+may read what the pool knows of a block (`info`, a `BlockInfo`) and refuse to keep a freed block
 (`admit`).
 """
 
