@@ -108,14 +108,9 @@ def plan_step(
     counts_array = np.array(counts, dtype=np.int64)  # [n]
     ends = starts_array + counts_array
     needed = (-(-ends // block_size)).tolist()  # blocks up to each chunk's end
-    tables = None
-    if outline:
-        width = max(min(len(seq.block_table), k) for seq, k in zip(seqs, needed, strict=True))
-    else:
-        tables = _block_table_rows(
-            [seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)]
-        )
-        width = tables.shape[1]
+    block_tables = [seq.block_table[:k] for seq, k in zip(seqs, needed, strict=True)]
+    tables = None if outline else _block_table_rows(block_tables)
+    width = max(map(len, block_tables)) if outline else tables.shape[1]
     if kind == "decode":  # every decode row samples (also when its token is still on the device)
         bucket, samples = ladder.decode_bucket(len(seqs), width, num_steps), [True] * len(seqs)
     else:  # a prefill chunk samples when it reaches its sequence's end
