@@ -106,9 +106,7 @@ class BucketLadder:
     def decode_bucket(self, num_seqs: int, num_blocks: int, num_steps: int = 1) -> Bucket:
         """The smallest decode bucket of `num_steps` steps holding `num_seqs` rows with tables
         of `num_blocks`."""
-        if num_steps not in (1, self.num_steps) or (
-            num_steps > 1 and num_seqs > self.multi_step_max_seqs
-        ):
+        if num_steps != 1 and (num_steps != self.num_steps or num_seqs > self.multi_step_max_seqs):
             raise ValueError(f"no decode bucket of {num_steps} steps for {num_seqs} sequences")
         sizes = self.decode_sizes if num_steps == 1 else self.multi_step_sizes
         size = _round_up(sizes, num_seqs, "decode batch size")
