@@ -69,8 +69,8 @@ class SequenceGrammar:
     once compiled."""
 
     __slots__ = (
-        "_backoff", "_compiled", "_executor", "_family", "_matcher", "_stats", "_switched",
-        "_tried", "_wait", "_won", "first_mask", "unmasked",
+        "_backoff", "_compiled", "_executor", "_family", "_stats", "_switched", "_tried",
+        "_wait", "_won", "first_mask", "matcher", "unmasked",
     )  # fmt: skip
 
     def __init__(
@@ -80,7 +80,7 @@ class SequenceGrammar:
         self._family = family
         self._executor = executor
         self._stats = stats
-        self._matcher = None
+        self.matcher = None  # its llguidance matcher, once `ready`
         # NOTE: per mode (first mask, unmasked): later tokens kept and tried, decayed
         self._won, self._tried = [0.0, 0.0], [0.0, 0.0]
         self.unmasked = False  # the row's mode: its speculative plans' tokens drawn unmasked
@@ -92,18 +92,14 @@ class SequenceGrammar:
     @property
     def ready(self) -> bool:
         """Whether the grammar is compiled (the sequence can be scheduled)."""
-        if self._matcher is None and self._compiled.done():
-            self._matcher = self._compiled.result()[self._family].deep_copy()
-        return self._matcher is not None
-
-    @property
-    def matcher(self):
-        return self._matcher
+        if self.matcher is None and self._compiled.done():
+            self.matcher = self._compiled.result()[self._family].deep_copy()
+        return self.matcher is not None
 
     @property
     def is_terminated(self) -> bool:
         """The grammar admits no more tokens (it consumed eos, or nothing can follow)."""
-        return self._matcher.is_stopped() or self._matcher.is_error()
+        return self.matcher.is_stopped() or self.matcher.is_error()
 
     @property
     def speculates(self) -> bool:
