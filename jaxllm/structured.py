@@ -162,10 +162,9 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
             grammar._wait = max(0, grammar._wait - 1)
         return kept
     llguidance_numpy = importlib.import_module("llguidance.numpy")
-    live = [(row, grammar) for row, grammar in live if not grammar.is_terminated]
     refused = {row: ~grammar.first_mask for row, grammar in live}  # by the first mask
     for step in range(1, max(counts)):
-        live = [(row, grammar) for row, grammar in live if step < counts[row]]
+        live = [(row, g) for row, g in live if step < counts[row] and not g.is_terminated]
         if not live:
             break
         masks = np.empty((len(live), live[0][1].first_mask.size), np.int32)
@@ -183,7 +182,6 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         executor.consume_token_par([(grammar.matcher, tokens[row][step]) for row, grammar in live])
         for row, _ in live:
             kept[row] += 1
-        live = [(row, grammar) for row, grammar in live if not grammar.is_terminated]
     for row, grammar in rows:
         grammar.settle(kept[row], counts[row])
     rows[0][1]._stats.seconds += time.perf_counter() - start
