@@ -89,42 +89,33 @@ def sample(
     if mode == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = inputs.temperature < GREEDY_TEMPERATURE
-    temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
-    scaled = logits / temperature[:, None]  # [S, V]
-    vocab_size = scaled.shape[-1]
-    noise = _gumbel_noise(inputs.seeds, inputs.seed_high, inputs.steps, vocab_size)  # [S, V]
+    noise = _gumbel_noise(inputs.seeds, inputs.seed_high, inputs.steps, logits.shape[-1])  # [S, V]
     if mode == "random":
         # NOTE: greedy rows (scaled by 1) get no noise, so their argmax is the greedy token.
+        scaled = logits / jnp.where(is_greedy, 1.0, inputs.temperature)[:, None]
         noise = jnp.where(is_greedy[:, None], 0.0, noise)
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
-    kept = _filtered(
-        scaled, is_greedy, greedy_tokens, inputs, candidate_block_size, num_candidate_blocks,
-        fallback=mode == "filtered",
-    )  # fmt: skip
-    sampled = jnp.argmax(kept + noise, axis=-1)
-    return jnp.where(is_greedy, greedy_tokens, sampled.astype(jnp.int32))
+    kept = processed_logits(
+        logits, inputs, candidate_block_size, num_candidate_blocks, fallback=mode == "filtered"
+    )
+    sampled = jnp.argmax(kept + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(is_greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
 
 
-def processed_logits(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+def processed_logits(
+    logits: jax.Array,
+    inputs: SamplingInputs,
+    block_size: int = CANDIDATE_BLOCK_SIZE,
+    num_blocks: int = NUM_CANDIDATE_BLOCKS,
+    *,
+    fallback: bool = True,
+) -> jax.Array:
     """[S, V] float32 the logits each row samples from: divided by its temperature, with the
     tokens its top-k, top-p and min-p remove at -inf (vLLM's "processed" logits); a greedy
-    row's as they are."""
+    row's as they are. `fallback=False`: exact only for the rows `sampler_mode` gives "top-k"."""
     logits = logits.astype(jnp.float32)
     is_greedy = inputs.temperature < GREEDY_TEMPERATURE
-    scaled = logits / jnp.where(is_greedy, 1.0, inputs.temperature)[:, None]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    kept = _filtered(
-        scaled, is_greedy, greedy_tokens, inputs, CANDIDATE_BLOCK_SIZE, NUM_CANDIDATE_BLOCKS
-    )
-    return jnp.where(is_greedy[:, None], logits, kept)
-
-
-def _filtered(
-    scaled, is_greedy, greedy_tokens, inputs, block_size: int, num_blocks: int, fallback=True
-) -> jax.Array:
-    """[S, V] the scaled logits [S, V] with the tokens top-k, top-p and min-p remove at -inf
-    (`fallback=False`: exact only for the rows `sampler_mode` gives "top-k")."""
+    scaled = logits / jnp.where(is_greedy, 1.0, inputs.temperature)[:, None]  # [S, V]
     vocab_size = scaled.shape[-1]
     row_max = jnp.max(scaled, axis=-1)  # [S]
     ratio = jnp.exp(scaled - row_max[:, None])  # [S, V] probability over the top one's
@@ -139,8 +130,10 @@ def _filtered(
     keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
     # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
     # it may round below a min_p near 1); without it a row could keep nothing.
+    greedy_tokens = jnp.argmax(logits, axis=-1)  # [S]
     keep = keep | (jnp.arange(vocab_size)[None, :] == greedy_tokens[:, None])
-    return jnp.where(keep, scaled, -jnp.inf)
+    # A greedy row's scaled logits are its logits (divided by 1), all kept.
+    return jnp.where(keep | is_greedy[:, None], scaled, -jnp.inf)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
