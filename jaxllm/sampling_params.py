@@ -1,9 +1,7 @@
 """Per-request sampling settings, validated at construction (pure Python and numpy, no jax).
 
-Also what `EngineConfig` and `jaxllm.prompts` share: `check_fields`, one loop over a table of
-checks; `as_int`, `as_real` and `as_bool`, which take Python's and numpy's scalars alike and give
-Python values, so settings hash and compare as plain numbers; `shown`, a value as error
-messages quote it.
+Also the checks `EngineConfig` and `jaxllm.prompts` share: `check_fields`, `as_int`, `as_real`,
+`as_bool`, `as_str` and `shown`.
 """
 
 from __future__ import annotations
