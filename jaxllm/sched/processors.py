@@ -208,12 +208,8 @@ def processor_plan(
             edits += ban_edits(seq)
     if not writes and (rows[0] < 0).all():
         return None
-    edit_arrays = None
-    if edits:
-        slots, tokens, values = zip(*edits, strict=True)
-        edit_arrays = (
-            np.array(slots, np.int32),
-            np.array(tokens, np.int32),
-            np.array(values, np.float32),
-        )
-    return ProcessorPlan(rows, writes, edit_arrays)
+    if not edits:
+        return ProcessorPlan(rows, writes, None)
+    slots, tokens, values = zip(*edits, strict=True)
+    arrays = np.array(slots, np.int32), np.array(tokens, np.int32), np.array(values, np.float32)
+    return ProcessorPlan(rows, writes, arrays)
