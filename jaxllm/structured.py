@@ -2,25 +2,23 @@
 each step's token masks.
 
 A request's `StructuredOutputsParams` is checked when it is submitted (`Grammars.compile`: an
-invalid schema, regex or grammar is a ValueError then), and compiled in a background thread,
-once per distinct spec; a sequence whose grammar is still compiling waits in the queue while
-the others run (`SequenceGrammar.ready`). The scheduler feeds each sampled token to its
-sequence's matcher and stops the sequence when the grammar admits nothing more. For a step
-with constrained rows, while the device runs the step's forward pass, the engine applies the
-previous step's tokens (the grammars advance) and fills the rows' masks (`Grammars.bitmask`, in
-parallel across rows); the device applies them to the logits
-(`model.logits_processors.apply_bitmask`).
+invalid schema, regex or grammar is a ValueError then) and compiled in a background thread, once
+per distinct spec; a sequence whose grammar is still compiling waits in the queue
+(`SequenceGrammar.ready`). While the device runs a constrained step's forward pass, the engine
+advances the grammars past the previous step's tokens and fills the rows' masks in parallel
+(`Grammars.bitmask`), which the device applies (`model.logits_processors.apply_bitmask`). The
+scheduler stops a sequence when its grammar admits nothing more.
 
 Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too, while
-they speculate (`SequenceGrammar.speculates`): every token of a row is sampled under the mask of
-its first (or, in the row's other mode, without a mask), and the host keeps the longest prefix
-that one-step plans would sample (`accept_tokens`). For greedy rows and rows without top-k,
-top-p or min-p (`mask_commutes`) a token drawn under the first mask is such a token when its own
-mask allows it and allows nothing the first did not (the best token of the first mask is the
-best of any part of it that holds it); one drawn without a mask, when its own mask allows it.
-The first mask suits a grammar whose masks stay alike (a string's characters, random weights);
-drawing without suits a model that follows the grammar through changing ones (a trained model
-through a JSON object's keys). The scheduler rolls the row back to the end of that prefix.
+they speculate (`SequenceGrammar.speculates`): a row samples every token under its first mask
+or, in its other mode, without a mask, and the host keeps the longest prefix that one-step plans
+would sample (`accept_tokens`); the scheduler rolls the row back to its end. Where the mask
+commutes with the draw (`mask_commutes`), a token drawn under the first mask is such a token
+when its own mask allows it and allows nothing the first did not (the best token of the first
+mask is the best of any part of it that holds it); one drawn without a mask, when its own mask
+allows it. The first mask suits a grammar whose masks stay alike (a string's characters, random
+weights); drawing without suits a model that follows the grammar through changing ones (a
+trained model through a JSON object's keys).
 
 llguidance is an optional dependency (`pip install 'jaxllm[structured]'`), imported on first use.
 """
@@ -330,10 +328,8 @@ class Grammars:
         """A `StepPlan`'s token bitmask, [S, ceil(V / 32)] int32: bit t % 32 of word t // 32 of
         a row set where the row's grammar allows token t, every bit set in free rows; its
         constrained rows (`grammar_rows`) filled in parallel. A speculative plan's rows keep
-        theirs (`SequenceGrammar.first_mask`, for `accept_tokens`).
-
-        NOTE: only those: kept for every plan (each step's array held), 256 rows under a JSON
-        schema took 2.16 vs 1.82 ms a step to fill (docs/performance.md)."""
+        theirs (`SequenceGrammar.first_mask`, for `accept_tokens`). NOTE: only those: kept for
+        every plan, 256 rows of a JSON schema filled in 2.16 vs 1.82 ms (docs/performance.md)."""
         rows, num_rows = grammar_rows(plan), plan.bucket.num_sampled
         words = -(-self.vocab_size // 32)
         mask = np.empty((num_rows, words), np.int32)  # NOTE: llguidance writes whole rows
