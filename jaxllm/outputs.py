@@ -163,12 +163,9 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     def __getitem__(self, key: str) -> Any:
-        if key in _SHORTCUTS or key in {f.name for f in fields(self)}:
+        if key in {"text", "token_ids", "finish_reason", *(f.name for f in fields(self))}:
             return getattr(self, key)
         raise KeyError(key)
-
-
-_SHORTCUTS = frozenset({"text", "token_ids", "finish_reason"})
 
 
 class StreamDelta(NamedTuple):
