@@ -131,7 +131,6 @@ class LogitsProcessors:
         num_tokens: the rows of every step's sampled tokens (`ModelRunner.max_sampled_rows`).
 
     Mutates: `apply` and `count` replace `state` by the updated, donated one; `reset` drops it.
-    `apply`, `count` and `mask` compile their programs when first used.
     """
 
     def __init__(
