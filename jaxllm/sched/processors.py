@@ -11,7 +11,7 @@ plans the next for such sequences (`Scheduler.needs_host_tokens`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -37,7 +37,7 @@ class SequenceProcessors:
     vocab_size: int
     bad_words: tuple[tuple[int, ...], ...] = ()
     slot: int | None = None
-    banned: frozenset[int] = field(default=frozenset())
+    banned: frozenset[int] = frozenset()
 
     @property
     def has_multi_token_words(self) -> bool:
