@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jaxllm.cache import EvictionPolicy
 from jaxllm.cache.eviction import POLICIES
@@ -69,6 +71,26 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS)
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`LLM`'s engine arguments, checked as fields; vLLM's gpu_memory_utilization is
+        memory_fraction.
+
+        Raises:
+            TypeError: an unknown name, or both names of memory_fraction.
+            ValueError: as construction does.
+        """
+        kwargs = dict(kwargs)
+        if "gpu_memory_utilization" in kwargs:
+            if "memory_fraction" in kwargs:
+                raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
+            kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
+        unknown = sorted(set(kwargs) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
+        cls(**kwargs)
+        return kwargs
 
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

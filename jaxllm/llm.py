@@ -21,12 +21,12 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
-from jaxllm.prompts import Prompt, parse_prompts
+from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts
 from jaxllm.request import Request
-from jaxllm.sampling_params import SEED_LIMIT, SamplingParams, shown
+from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 from jaxllm.startup import start_engine
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -50,20 +50,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
-        if "gpu_memory_utilization" in kwargs:
-            if "memory_fraction" in kwargs:
-                raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
-            kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
-        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
-        if unknown:
-            raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
-        if model is not None and not isinstance(model, str | os.PathLike):
-            raise TypeError(f"model must be a path, a Hub id or None, got {type(model).__name__}")
-        if model is not None and not os.fspath(model):
-            raise ValueError(
-                "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
-                "or None (the embedded default)"
-            )
+        kwargs = EngineConfig.check_kwargs(kwargs)
+        _check_model(model)
         # What earlier LLMs left (frozen below) can be collected again.
         gc.unfreeze()
         gc.collect()
@@ -196,18 +184,31 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        enable_thinking: bool | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of them (the chat template)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=True, **template_kwargs
-            )
-            for conversation in conversations
-        ]
+        """Generates replies to one conversation or a list of them (`jaxllm.prompts.chat_prompts`:
+        vLLM's arguments, and Qwen3's `enable_thinking`).
+
+        Raises:
+            ValueError: what `chat_prompts` or `generate` refuses (nothing runs).
+        """
+        prompts = chat_prompts(
+            self.tokenizer,
+            messages,
+            enable_thinking=enable_thinking,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+        )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(
@@ -309,27 +310,7 @@ class LLM:
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt, unseeded ones given a derived seed."""
-        sampling_params = SamplingParams() if sampling_params is None else sampling_params
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * count
-        elif isinstance(sampling_params, list | tuple):
-            params = list(sampling_params)
-            if len(params) != count:
-                raise ValueError(
-                    f"got {len(params)} sampling_params for {count} prompts; pass one "
-                    "SamplingParams or one per prompt"
-                )
-        else:
-            raise ValueError(
-                "sampling_params must be None, a SamplingParams or a list of them (one per "
-                f"prompt), got {type(sampling_params).__name__} {shown(sampling_params)}"
-            )
-        for index, param in enumerate(params):
-            if not isinstance(param, SamplingParams):
-                raise ValueError(
-                    f"sampling_params[{index}] is not a SamplingParams: got "
-                    f"{type(param).__name__} {shown(param)}"
-                )
+        params = one_per_prompt(sampling_params, count)
         # NOTE: requests without a seed of their own still get a stream of their own.
         for index, param in enumerate(params):
             if param.seed is None:
@@ -371,6 +352,16 @@ class LLM:
         return [outputs[request_id] for request_id in ids]
 
 
+def _check_model(model: object) -> None:
+    if model is not None and not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be a path, a Hub id or None, got {type(model).__name__}")
+    if model is not None and not os.fspath(model):
+        raise ValueError(
+            "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
+            "or None (the embedded default)"
+        )
+
+
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,
 # so the previous one is dropped before the next is built.
 _shared: list[tuple[tuple, LLM]] = []
@@ -378,21 +369,32 @@ _shared: list[tuple[tuple, LLM]] = []
 
 def generate(
     prompts: Prompt | Sequence[Prompt],
-    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
     model: LLM | str | os.PathLike | None = None,
     use_tqdm: bool = True,
     **engine_kwargs: Any,
 ) -> list[RequestOutput]:
-    """One call from a notebook: generate with `model` (an LLM, a model string, or None for
-    the embedded default). The engine is built once per (model, engine_kwargs) and reused until
-    a call asks for another."""
+    """One call from a notebook: `LLM.generate` with `model` (an LLM, a model string, or None
+    for the embedded default). The engine is built once per (model, engine_kwargs) and reused
+    until a call asks for another; arguments it refuses leave the engine built before as it is.
+
+    Raises:
+        TypeError, ValueError: as `LLM` and `LLM.generate` do; engine_kwargs with an LLM.
+    """
     if isinstance(model, LLM):
+        if engine_kwargs:
+            raise TypeError(
+                f"engine arguments ({', '.join(sorted(engine_kwargs))}) with an LLM as the "
+                "model: it is already built"
+            )
         llm = model
     else:
+        engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
+        _check_model(model)
         key = (model, tuple(sorted(engine_kwargs.items())))
         if not _shared or _shared[0][0] != key:
             _shared.clear()
             _shared.append((key, LLM(model, **engine_kwargs)))
         llm = _shared[0][1]
-    return llm.generate(prompts, params, use_tqdm=use_tqdm)
+    return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,4 +1,5 @@
-"""The prompts `LLM.generate` takes, in vLLM's forms, parsed into one list in one place (no jax).
+"""The prompts `LLM.generate` takes, in vLLM's forms, parsed into one list in one place (no jax);
+`LLM.chat`'s conversations (`parse_conversations`); a call's sampling params (`one_per_prompt`).
 
 One prompt is:
   - a string: text, which the caller tokenizes;
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxllm.sampling_params import as_int, shown
+from jaxllm.sampling_params import SamplingParams, as_int, shown
 
 TokenIds = Sequence[int] | np.ndarray
 Prompt = str | TokenIds | dict[str, Any]
@@ -120,3 +121,106 @@ def _token_ids(tokens: list | tuple | np.ndarray, index: int) -> list[int]:
 def _described(value: object) -> str:
     hint = "; decode bytes to a str" if isinstance(value, bytes | bytearray) else ""
     return f"{type(value).__name__} {shown(value)}{hint}"
+
+
+def chat_prompts(
+    tokenizer,
+    messages: object,
+    *,
+    enable_thinking: bool | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> list[str]:
+    """The prompt of each conversation of `messages` (`parse_conversations`), through the
+    tokenizer's chat template: `options` are vLLM's chat_template, add_generation_prompt,
+    continue_final_message and tools; `enable_thinking` is Qwen3's (None: the template's
+    default, thinking on), beside the template's other `chat_template_kwargs`.
+
+    Raises:
+        ValueError: a malformed conversation, or both add_generation_prompt and
+            continue_final_message.
+    """
+    if options.get("add_generation_prompt") and options.get("continue_final_message"):
+        raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+    template_kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
+    return [
+        tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
+        for conversation in parse_conversations(messages)
+    ]
+
+
+def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """The conversations of one `LLM.chat` call: one (a list of message dicts) or a list of
+    them. A message's content is a string, or OpenAI's list of text parts
+    ({"type": "text", "text": str}), joined with newlines as vLLM does; None or absent only
+    beside "tool_calls".
+
+    Raises:
+        ValueError: an empty conversation, a message that is not a dict with a string "role",
+            or content of another form, naming the conversation and the message.
+    """
+    if isinstance(messages, dict | str) or not isinstance(messages, Sequence | Iterator):
+        raise ValueError(f"messages must be a list of message dicts, got {_described(messages)}")
+    messages = list(messages)
+    one = bool(messages) and isinstance(messages[0], dict)
+    conversations = [messages] if one else [list(conversation) for conversation in messages]
+    if [] in conversations:
+        raise ValueError(f"conversation {conversations.index([])} has no messages")
+    return [
+        [_message(message, c, m) for m, message in enumerate(conversation)]
+        for c, conversation in enumerate(conversations)
+    ]
+
+
+def _message(message: object, conversation: int, index: int) -> dict[str, Any]:
+    """Message `index` of a conversation, its content a string (or None beside tool calls)."""
+    where = f"conversation {conversation}, message {index}"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"{where}: expected a dict with a string 'role', got {shown(message)}")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise ValueError(f"{where}: content parts must be text parts, got {shown(content)}")
+        if not all(isinstance(part.get("text"), str) for part in content):
+            raise ValueError(f"{where}: a text part's 'text' must be a string")
+        return message | {"content": "\n".join(part["text"] for part in content)}
+    if not (isinstance(content, str) or (content is None and "tool_calls" in message)):
+        raise ValueError(
+            f"{where}: 'content' must be a string or a list of text parts, got {shown(content)}"
+        )
+    return message
+
+
+def one_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    """A call's `sampling_params` (None: the defaults; one for all; or a list or tuple of one
+    per prompt) as one per prompt of its `count`.
+
+    Raises:
+        ValueError: a list of another length, or anything but SamplingParams.
+    """
+    sampling_params = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * count
+    elif isinstance(sampling_params, list | tuple):
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(
+                f"got {len(params)} sampling_params for {count} prompts; pass one "
+                "SamplingParams or one per prompt"
+            )
+    else:
+        raise ValueError(
+            "sampling_params must be None, a SamplingParams or a list of them (one per "
+            f"prompt), got {type(sampling_params).__name__} {shown(sampling_params)}"
+        )
+    for index, param in enumerate(params):
+        if not isinstance(param, SamplingParams):
+            raise ValueError(
+                f"sampling_params[{index}] is not a SamplingParams: got "
+                f"{type(param).__name__} {shown(param)}"
+            )
+    return params

@@ -148,6 +148,19 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
         jaxllm.generate([[1, 2, 3]], params, model=llm, use_tqdm=False)
         assert llm.engine.stats.prefill.steps == steps + 1
         assert jaxllm.llm._shared[0][1] is engine
+        with pytest.raises(TypeError, match="engine arguments \\(max_num_seqs\\) with an LLM"):
+            jaxllm.generate([[1, 2, 3]], params, model=llm, max_num_seqs=2)
+        # Arguments refused before the engine built before is dropped.
+        for bad in ({"max_num_seq": 4}, {"max_num_seqs": 0}):
+            with pytest.raises((TypeError, ValueError), match="max_num_seq"):
+                jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **bad)
+            assert jaxllm.llm._shared[0][1] is engine
+        # LLM.generate's name of the sampling params
+        third = jaxllm.generate(
+            [[1, 2, 3]], sampling_params=params, model=str(checkpoint.path), **settings
+        )
+        assert third[0].token_ids == first[0].token_ids
+        assert jaxllm.llm._shared[0][1] is engine
     finally:
         jaxllm.llm._shared.clear()
 

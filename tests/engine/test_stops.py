@@ -3,6 +3,7 @@ min_tokens, max_tokens; and token ids the tokenizer does not know."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
@@ -140,6 +141,56 @@ def test_chat_applies_the_template(text_llm):
     assert default.prompt_token_ids == tokenizer.encode(head, add_special_tokens=False)
     assert default.prompt_token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert [o.token_ids for o in two] == [default.token_ids] * 2
+    assert_idle(text_llm)
+
+
+def test_chat_takes_vllms_arguments(text_llm):
+    question = "What is the capital of France?"
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    head = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    # vLLM's order: the third positional argument is use_tqdm.
+    names = list(inspect.signature(text_llm.chat).parameters)
+    assert names[:3] == ["messages", "sampling_params", "use_tqdm"]
+    assert inspect.signature(text_llm.chat).parameters["enable_thinking"].kind.name == (
+        "KEYWORD_ONLY"
+    )
+    (parts,) = text_llm.chat(
+        [{"role": "user", "content": [{"type": "text", "text": question}]}], params, False
+    )
+    assert parts.prompt == head  # OpenAI's text parts, joined
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    (kwargs,) = text_llm.chat([{"role": "user", "content": question}], params, False, **no_thinking)
+    assert kwargs.prompt == head + "<think>\n\n</think>\n\n"
+    reply = [{"role": "user", "content": question}, {"role": "assistant", "content": "Par"}]
+    (continued,) = text_llm.chat(
+        reply, params, False, add_generation_prompt=False, continue_final_message=True
+    )
+    # the template's empty thinking block, then the reply continued
+    assert continued.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nPar")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    (tools,) = text_llm.chat([{"role": "user", "content": question}], params, False, tools=[tool])
+    assert "get_weather" in tools.prompt and tools.prompt.endswith(head.split("user\n")[-1])
+    assert_idle(text_llm)
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"content": "Hi"}], "conversation 0, message 0: expected a dict with a string 'role'"),
+        ([{"role": "user"}], "conversation 0, message 0: 'content' must be a string"),
+        ([[{"role": "user", "content": "Hi"}], []], "conversation 1 has no messages"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "content parts must be text parts",
+        ),
+        ("Hi", "messages must be a list of message dicts"),
+    ],
+)
+def test_a_malformed_conversation_is_refused_before_any_work(text_llm, messages, message):
+    with pytest.raises(ValueError, match=message):
+        text_llm.chat(messages, use_tqdm=False)
+    with pytest.raises(ValueError, match="continue_final_message=True needs"):
+        text_llm.chat([{"role": "user", "content": "Hi"}], continue_final_message=True)
     assert_idle(text_llm)
 
 
