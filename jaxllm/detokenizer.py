@@ -124,10 +124,10 @@ class StopStrings:
     """Detokenizes one request's output as it grows and finds its stop strings in the text.
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
-    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`) and
-    `min_tokens` tokens exist; `text` is then the output up to it. No prompt context: the text
-    must equal the output tokens decoded alone (as without stop strings), also when the prompt
-    ends inside a multi-byte character.
+    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`),
+    ending after the text of the first `min_tokens` tokens (vLLM's rule); `text` is then the
+    output up to it. No prompt context: the text must equal the output tokens decoded alone (as
+    without stop strings), also when the prompt ends inside a multi-byte character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end` and `matched`.
     """
@@ -144,7 +144,7 @@ class StopStrings:
     def __call__(self, token_id: int) -> bool:
         self._num_tokens += 1
         delta = self._detokenizer.step(token_id)
-        if not delta or self._num_tokens < self._min_tokens:
+        if not delta or self._num_tokens <= self._min_tokens:
             return False
         text = self._detokenizer.text
         search_from = max(0, len(text) - len(delta) - self._longest + 1)

@@ -92,7 +92,8 @@ class Engine:
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
             stop_strings = StopStrings(self.tokenizer, child) if child.stop else None
-            processors = SequenceProcessors(vocab, bad_words) if params.processes_logits else None
+            processes = params.processes_logits or params.min_tokens  # min_tokens: stops banned
+            processors = SequenceProcessors(vocab, bad_words) if processes else None
             sequence_grammar = grammar and self.grammars.sequence_grammar(grammar)
             seq = self.scheduler.new_sequence(
                 prompt_token_ids, child, stop_strings, processors, sequence_grammar

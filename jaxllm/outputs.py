@@ -140,6 +140,7 @@ class RequestOutput:
         metrics: time to first token and total time.
         prompt_logprobs: with `SamplingParams.prompt_logprobs`, {token id: Logprob} of each
             prompt token and of the most likely ones (None for the first token).
+        finished: True: outputs come once the request finished (vLLM's field).
     """
 
     request_id: int
@@ -149,6 +150,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics = field(repr=False)
     prompt_logprobs: PromptLogprobs | None = None
+    finished: bool = True
 
     @property
     def text(self) -> str:

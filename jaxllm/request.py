@@ -84,10 +84,10 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
     if stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
-    else:
-        text = decode_tokens(
-            token_texts.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens
-        )
+    else:  # NOTE: as in vLLM, the stop token that ended it is not in the text
+        stopped = seq.finish_reason == "stop" and seq.ends_with_stop_token
+        tokens = seq.output_token_ids[:-1] if stopped else seq.output_token_ids
+        text = decode_tokens(token_texts.tokenizer, tokens, seq.params.skip_special_tokens)
     completion = CompletionOutput(
         index=index,
         text=text,

@@ -109,11 +109,14 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 (or -1) keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p. Range (0, 1].
         min_p: drop tokens whose probability is below min_p times the top one. Range [0, 1].
-        max_tokens: generate at most this many tokens. Range [1, inf).
-        min_tokens: ignore eos and stop tokens until this many were generated.
+        max_tokens: generate at most this many tokens. Range [1, inf); None: as many as
+            max_model_len leaves (vLLM's meaning).
+        min_tokens: eos and stop_token_ids are not sampled, and stop strings not matched in
+            the text, until this many tokens are out (vLLM's meaning).
         ignore_eos: keep generating after the eos token (still stops at max_tokens).
         stop: strings that end the output; the text ends before the stop string.
-        stop_token_ids: token ids that end the output (kept in `token_ids`).
+        stop_token_ids: token ids that end the output (kept in `token_ids`, not in the text,
+            as eos).
         seed: makes this request's samples reproducible, whatever else is in the batch.
             Range [0, 2**64).
         skip_special_tokens: drop special tokens when decoding the text.
@@ -150,7 +153,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] | None = None
@@ -173,11 +176,11 @@ class SamplingParams:
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_fields(self, _CHECKS, prefix="SamplingParams.")
+        check_fields(self, _CHECKS, prefix="SamplingParams.", optional={"max_tokens"})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         min_tokens = as_int(self.min_tokens)
-        if min_tokens is None or not 0 <= min_tokens <= self.max_tokens:
+        if min_tokens is None or not 0 <= min_tokens <= (self.max_tokens or math.inf):
             raise ValueError(
                 f"SamplingParams.min_tokens must be an integer in [0, max_tokens="
                 f"{self.max_tokens}], got {shown(self.min_tokens)}"
@@ -212,9 +215,12 @@ class SamplingParams:
 Check = tuple[Callable[[Any], Any], Callable[[Any], bool], str]
 
 
-def check_fields(instance: object, checks: dict[str, Check], prefix: str = "") -> None:
+def check_fields(
+    instance: object, checks: dict[str, Check], prefix: str = "", optional: set[str] = frozenset()
+) -> None:
     """Replaces each field of a frozen dataclass `instance` named in `checks` by its converted
-    value, in the order of `checks`; fields whose default is None may also be None.
+    value, in the order of `checks`; fields whose default is None, and the `optional` ones, may
+    also be None.
 
     Args:
         checks: field name -> (its conversion, None where the value is refused; a test of the
@@ -223,7 +229,7 @@ def check_fields(instance: object, checks: dict[str, Check], prefix: str = "") -
     Raises:
         ValueError: "{prefix}{name} must be {allowed}, got {value}" for the first field refused.
     """
-    optional = {f.name for f in fields(instance) if f.default is None}
+    optional = optional | {f.name for f in fields(instance) if f.default is None}
     for name, (convert, ok, allowed) in checks.items():
         value = getattr(instance, name)
         if value is None and name in optional:
@@ -325,7 +331,7 @@ _CHECKS: dict[str, Check] = {
     "top_k": (as_int, lambda k: k >= -1, "an integer >= 0 (0 or -1 keeps every token)"),
     "top_p": (as_real, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]"),
     "min_p": (as_real, lambda p: 0.0 <= p <= 1.0, "a number in [0, 1]"),
-    "max_tokens": (as_int, lambda n: n >= 1, "an integer >= 1"),
+    "max_tokens": (as_int, lambda n: n >= 1, "None or an integer >= 1"),
     "ignore_eos": (as_bool, lambda _: True, "True or False"),
     "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
     "stop": _STRINGS,

@@ -41,7 +41,6 @@ INVALID = [
     ("max_tokens", 0),
     ("max_tokens", -1),
     ("max_tokens", 2.0),
-    ("max_tokens", None),
     ("min_tokens", -1),
     ("min_tokens", 65),  # more than the default max_tokens (64)
     ("min_tokens", 1.0),

@@ -65,9 +65,10 @@ class SchedulerConfig:
         return -(-self.max_model_len // self.block_size)
 
     def check_request(
-        self, prompt_token_ids: Sequence[int] | np.ndarray, max_tokens: int
+        self, prompt_token_ids: Sequence[int] | np.ndarray, max_tokens: int | None
     ) -> tuple[np.ndarray, int]:
-        """The prompt as an array, and the most tokens it may generate here.
+        """The prompt as an array, and the most tokens it may generate here (max_tokens None:
+        as many as max_model_len leaves).
 
         Raises:
             ValueError: a request that could never complete: an empty prompt, ids outside
@@ -88,7 +89,8 @@ class SchedulerConfig:
                 f"the prompt has {num_prompt} tokens; max_model_len={self.max_model_len} leaves "
                 "no room for an output token"
             )
-        max_tokens = min(max_tokens, self.max_model_len - num_prompt)
+        room = self.max_model_len - num_prompt
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
         # NOTE: the last sampled token is never fed back, so its K/V needs no slot.
         blocks_needed = -(-(num_prompt + max_tokens - 1) // self.block_size)
         if blocks_needed > self.num_blocks:

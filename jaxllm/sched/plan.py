@@ -151,7 +151,7 @@ def plan_step(
         targets[: len(order)][in_prompt] = seq.token_ids[following[in_prompt]]
     processors = None
     if new_slots is not None:
-        processors = processor_plan(seqs, samples, bucket.num_sampled, new_slots)
+        processors = processor_plan(seqs, samples, steps, bucket.num_sampled, new_slots)
     return StepPlan(
         seqs, starts, counts, samples, bucket, inputs, sampling, step_slots, logprobs, targets,
         processors,

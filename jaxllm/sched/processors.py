@@ -1,12 +1,14 @@
 """The host side of the logits processors (`jaxllm.model.logits_processors`): each sequence's
 slot, the rows written into it, and the bad-word bans.
 
-A sequence that asks for penalties, a bias, allowed tokens or bad words gets a slot when it is
-admitted and gives it back when it is preempted, finishes or is released; the step that admits
-it writes its rows whole from the tokens the host holds. A bad word of several tokens bans its
-last token while the output ends with the ones before it: the plan edits the bias row where the
-bans change, from the output the host holds, so the engine applies a step's tokens before it
-plans the next for such sequences (`Scheduler.needs_host_tokens`).
+A sequence that asks for penalties, a bias, allowed tokens, bad words or min_tokens gets a slot
+when it is admitted and gives it back when it is preempted, finishes or is released; the step
+that admits it writes its rows whole from the tokens the host holds. The plan edits the bias row
+where the bans change (`banned_now`). Its stop tokens are banned until min_tokens are out
+(vLLM's min_tokens), which the plan knows from the positions it computes. A bad word of several
+tokens bans its last token while the output ends with the ones before it, which the plan reads
+from the output the host holds, so the engine applies a step's tokens before it plans the next
+for such sequences (`Scheduler.needs_host_tokens`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ class ProcessorSlots:
         return new
 
 
+def changes_logits(seq: Sequence) -> bool:
+    """Whether its logits processors change its logits: not once the ban of min_tokens alone
+    is lifted for good."""
+    processors = seq.processors
+    return processors is not None and (seq.params.processes_logits or bool(processors.banned))
+
+
 def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """vLLM's token ids of bad words: each word as it is, and after a space where that gives
     the same number of tokens and a different first token."""
@@ -107,15 +116,20 @@ def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ..
     return tuple(word for word in ids if word)
 
 
-def banned_now(seq: Sequence) -> frozenset[int]:
-    """The last tokens of the multi-token bad words whose other tokens end the output."""
+def banned_now(seq: Sequence, num_outputs: int) -> frozenset[int]:
+    """The tokens banned where `seq` samples the output token that follows `num_outputs` of
+    them: its stop tokens while fewer than min_tokens are out; the last tokens of the
+    multi-token bad words whose other tokens end the output."""
     output = seq.output_token_ids
-    return frozenset(
+    banned = frozenset(
         word[-1]
         for word in seq.processors.bad_words
         if 1 < len(word) <= len(output) + 1
         and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
     )
+    if num_outputs < seq.params.min_tokens:  # NOTE: a tokenizer's eos may lie past the model's
+        banned |= {token for token in seq.stop_token_ids if token < seq.processors.vocab_size}
+    return banned
 
 
 def static_bias(seq: Sequence) -> np.ndarray:
@@ -143,13 +157,14 @@ class SlotWrite(NamedTuple):
     penalties: np.ndarray  # [3] float32
 
 
-def slot_write(seq: Sequence) -> SlotWrite:
-    """Its slot's rows from the tokens the host holds; records the bans they carry."""
+def slot_write(seq: Sequence, num_outputs: int) -> SlotWrite:
+    """Its slot's rows from the tokens the host holds, the bans (`banned_now`) in; records
+    them."""
     proc = seq.processors
     tokens = np.bincount(seq.output_token_ids, minlength=proc.vocab_size).astype(np.int32)
     tokens[seq.token_ids[: seq.num_prompt_tokens]] |= IN_PROMPT
     bias = static_bias(seq)
-    proc.banned = banned_now(seq)
+    proc.banned = banned_now(seq, num_outputs)
     bias[list(proc.banned)] = -np.inf
     params = seq.params
     penalties = np.array(
@@ -159,10 +174,11 @@ def slot_write(seq: Sequence) -> SlotWrite:
     return SlotWrite(proc.slot, tokens, bias, penalties)
 
 
-def ban_edits(seq: Sequence) -> list[tuple[int, int, float]]:
-    """(slot, token, value) for each bias entry whose ban starts or ends now; records them."""
+def ban_edits(seq: Sequence, num_outputs: int) -> list[tuple[int, int, float]]:
+    """(slot, token, value) for each bias entry whose ban (`banned_now`) starts or ends now;
+    records them."""
     proc = seq.processors
-    banned = banned_now(seq)
+    banned = banned_now(seq, num_outputs)
     if banned == proc.banned:
         return []
     lifted = sorted(proc.banned - banned)
@@ -190,10 +206,15 @@ class ProcessorPlan(NamedTuple):
 
 
 def processor_plan(
-    seqs: list[Sequence], samples: list[bool], num_sampled: int, written: frozenset[int]
+    seqs: list[Sequence],
+    samples: list[bool],
+    num_outputs: list[int],
+    num_sampled: int,
+    written: frozenset[int],
 ) -> ProcessorPlan | None:
-    """The processing of a step of `seqs` (rows in order), None when no row asks for any;
-    `written`: the ids of sequences whose slot is new, written whole."""
+    """The processing of a step of `seqs` (rows in order; `num_outputs`: the output tokens
+    before each row's sampled one), None when no row asks for any; `written`: the ids of
+    sequences whose slot is new, written whole."""
     rows = np.full((2, num_sampled), -1, np.int32)
     writes, edits = [], []
     for index, (seq, sampled) in enumerate(zip(seqs, samples, strict=True)):
@@ -203,9 +224,9 @@ def processor_plan(
         rows[0, index] = proc.slot
         rows[1, index] = proc.slot if sampled else -1
         if seq.seq_id in written:
-            writes.append(slot_write(seq))
-        elif proc.has_multi_token_words:
-            edits += ban_edits(seq)
+            writes.append(slot_write(seq, num_outputs[index]))
+        elif proc.has_multi_token_words or seq.params.min_tokens:
+            edits += ban_edits(seq, num_outputs[index])
     if not writes and (rows[0] < 0).all():
         return None
     if not edits:

@@ -27,7 +27,7 @@ from jaxllm.sched.buckets import BucketLadder
 from jaxllm.sched.config import SchedulerConfig
 from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import StepPlan, keep_prompt_logprobs, plan_step
-from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors
+from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors, changes_logits
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 from jaxllm.structured import accept_tokens, mask_commutes
 
@@ -226,8 +226,11 @@ class Scheduler:
         """Why `seq` ends with its newest token `token` (`last`: the last its grammar read)."""
         # NOTE: the stop strings see every token, so their text stays whole.
         stop_string = seq.stop_strings is not None and seq.stop_strings(token)
-        stop_token = token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens
-        if stop_string or stop_token or (last and seq.grammar and seq.grammar.is_terminated):
+        if (
+            stop_string
+            or seq.ends_with_stop_token
+            or (last and seq.grammar and seq.grammar.is_terminated)
+        ):
             return "stop"
         return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
@@ -333,12 +336,13 @@ class Scheduler:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
-        logits processing, or the blocks are not free. A constrained one must speculate
-        (`jaxllm.structured`) and not reach its last token (its blocks outlive a roll-back)."""
+        logits processing (`changes_logits`), or the blocks are not free. A constrained one
+        must speculate (`jaxllm.structured`) and not reach its last token (its blocks outlive a
+        roll-back)."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if any(seq.params.logprobs is not None or seq.processors is not None for seq in running):
+        if any(seq.params.logprobs is not None or changes_logits(seq) for seq in running):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
@@ -375,12 +379,9 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a live sequence: out of its queue, its blocks freed."""
-        queue = {
-            SequenceStatus.RUNNING: self.running,
-            SequenceStatus.WAITING: self.waiting,
-            SequenceStatus.SAMPLING_LAST: self.sampling_last,
-        }[seq.status]
-        queue.remove(seq)
+        status = SequenceStatus
+        queues = {status.RUNNING: self.running, status.WAITING: self.waiting}
+        queues.get(seq.status, self.sampling_last).remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

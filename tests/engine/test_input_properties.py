@@ -137,7 +137,7 @@ def test_every_input_runs_or_is_refused_naming_it(llm, reference, prompts, field
         assert type(value) in (int, float, bool, tuple, type(None)), name
     params = dataclasses.replace(
         params,
-        max_tokens=min(params.max_tokens, MAX_TOKENS),
+        max_tokens=min(params.max_tokens or MAX_TOKENS, MAX_TOKENS),
         min_tokens=min(params.min_tokens, MAX_TOKENS),
     )
     try:

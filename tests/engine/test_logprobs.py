@@ -92,6 +92,7 @@ def test_outputs_and_their_shortcuts(llm, greedy_prompts):
     )
     assert output["text"] == completion.text and output["token_ids"] == completion.token_ids
     assert completion.index == 0 and completion.stop_reason is None
+    assert output.finished and output["finished"]  # vLLM's field
     with pytest.raises(KeyError):
         output["nothing"]
 

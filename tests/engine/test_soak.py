@@ -46,7 +46,9 @@ def check_finish(tokens: list[int], params: SamplingParams, prompt_len: int, rea
     limit = min(params.max_tokens, MAX_MODEL_LEN - prompt_len)
     assert 1 <= len(tokens) <= limit
     assert all(0 <= t < VOCAB_SIZE for t in tokens)
-    # Nothing before the last token could have stopped the request.
+    # No stop token before min_tokens are out (they are banned), and nothing before the last
+    # token could have stopped the request.
+    assert not set(tokens[: params.min_tokens]) & stops
     for count, token in enumerate(tokens[:-1], start=1):
         assert not (token in stops and count >= params.min_tokens)
     stopped = tokens[-1] in stops and len(tokens) >= params.min_tokens

@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.engine import BASE_SETTINGS, assert_idle
 from support.hf import VOCAB_SIZE, random_qwen3
+from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxllm import LLM, SamplingParams
@@ -31,10 +32,17 @@ def first_new_token(tokens: list[int], start: int) -> int:
     return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
 
 
-def expected_stop(tokens: list[int], stops: set[int], min_tokens: int) -> tuple[list[int], str]:
-    """What a greedy run of `tokens` gives with these stop ids and min_tokens."""
+def expected_stop(
+    checkpoint, stops: set[int], min_tokens: int = 0, max_tokens: int = NUM_TOKENS
+) -> tuple[list[int], str]:
+    """What a greedy run gives with these stop ids and min_tokens: transformers' continuation,
+    the stop ids banned from its first min_tokens tokens (vLLM's min_tokens; transformers'
+    MinNewTokensLengthLogitsProcessor), up to its first stop id."""
+    ban = MinNewTokensLengthLogitsProcessor(len(PROMPT), min_tokens, sorted(stops))
+    tokens = checkpoint.greedy(PROMPT, max_tokens, logits_processor=LogitsProcessorList([ban]))
+    assert not set(tokens[:min_tokens]) & stops
     for i, token in enumerate(tokens):
-        if token in stops and i + 1 >= min_tokens:
+        if token in stops:
             return tokens[: i + 1], "stop"
     return tokens, "length"
 
@@ -50,7 +58,7 @@ def seeded(**fields) -> SamplingParams:
     )
 
 
-def test_stop_token_ids_and_min_tokens(llm, continuation):
+def test_stop_token_ids_and_min_tokens(llm, checkpoint, continuation):
     index = first_new_token(continuation, 3)
     stop = continuation[index]
     later = first_new_token(continuation, index + 2)
@@ -58,18 +66,28 @@ def test_stop_token_ids_and_min_tokens(llm, continuation):
         greedy(stop_token_ids=[stop]),
         greedy(stop_token_ids=[stop, continuation[later]]),
         greedy(stop_token_ids=[stop, continuation[later]], min_tokens=index + 2),
+        greedy(stop_token_ids=[stop], min_tokens=index + 1),
         greedy(stop_token_ids=[stop], min_tokens=NUM_TOKENS),
         greedy(stop_token_ids=[stop], max_tokens=index),
     ]
     outputs = llm.generate([PROMPT] * len(cases), cases, use_tqdm=False)
 
     for params, output in zip(cases, outputs, strict=True):
-        tokens, reason = expected_stop(
-            continuation[: params.max_tokens], set(params.stop_token_ids), params.min_tokens
-        )
-        assert (output.token_ids, output.finish_reason) == (tokens, reason), params
-    assert len(outputs[0].token_ids) == index + 1  # the stop token is kept
-    assert index + 2 <= len(outputs[2].token_ids) <= later + 1  # min_tokens passed the first
+        stops = set(params.stop_token_ids)
+        expected = expected_stop(checkpoint, stops, params.min_tokens, params.max_tokens)
+        assert (output.token_ids, output.finish_reason) == expected, params
+    assert outputs[0].token_ids == continuation[: index + 1]  # the stop token is kept
+    # Before min_tokens are out, the stop tokens are not sampled: the run takes another path.
+    assert stop not in outputs[3].token_ids[: index + 1]
+    assert outputs[3].token_ids != outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    params = greedy(max_tokens=None, ignore_eos=True)
+    (output,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(output.token_ids) == llm.config.max_model_len - len(PROMPT)
+    assert output.finish_reason == "length"
     assert_idle(llm)
 
 
@@ -86,8 +104,8 @@ def test_eos_from_generation_config(checkpoint, continuation, tmp_path):
 
     assert (outputs[0].token_ids, outputs[0].finish_reason) == (continuation[: index + 1], "stop")
     assert (outputs[1].token_ids, outputs[1].finish_reason) == (continuation, "length")
-    tokens, reason = expected_stop(continuation, {eos, 250}, index + 2)
-    assert (outputs[2].token_ids, outputs[2].finish_reason) == (tokens, reason)
+    expected = expected_stop(checkpoint, {eos, 250, tokenizer_eos}, index + 2)
+    assert (outputs[2].token_ids, outputs[2].finish_reason) == expected
     assert_idle(llm)
 
 
@@ -112,17 +130,43 @@ def test_stop_strings(text_llm, text_continuation):
         seeded(stop=[stop]),
         seeded(stop=["never in the text", stop]),
         seeded(stop=[stop], min_tokens=completing + 1),
+        seeded(stop=[stop], min_tokens=completing),  # it ends in the min_tokens-th token's text
     ]
-    outputs = text_llm.generate(["The capital of France is"] * 3, cases, use_tqdm=False)
+    outputs = text_llm.generate(["The capital of France is"] * 4, cases, use_tqdm=False)
 
     for output in outputs[:2]:
         assert output.text == text[:start]
         assert output.finish_reason == "stop"
         assert output.token_ids == tokens[:completing]  # the completing token is kept
-    # Before min_tokens a stop string does not stop; one completed later would.
+    # A stop string ending in the text of the first min_tokens tokens does not stop (vLLM's
+    # rule); one completed later would.
     later = text.find(stop, start + 1)
-    assert outputs[2].text == (text if later < 0 else text[:later])
-    assert len(outputs[2].token_ids) > completing
+    for output in outputs[2:]:
+        assert output.text == (text if later < 0 else text[:later])
+        assert len(output.token_ids) > completing
+    assert_idle(text_llm)
+
+
+def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuation):
+    tokens = text_continuation.token_ids
+    index = first_new_token(tokens, 3)
+    eos = text_llm.tokenizer.eos_token_id
+    cases = [
+        seeded(stop_token_ids=[tokens[index]]),
+        seeded(ignore_eos=False, logit_bias={eos: 100.0}, skip_special_tokens=False),
+    ]
+    by_token, by_eos = text_llm.generate(["The capital of France is"] * 2, cases, use_tqdm=False)
+
+    assert (
+        by_token.token_ids == tokens[: index + 1]
+        and by_token.outputs[0].stop_reason == tokens[index]
+    )
+    assert by_token.text == text_llm.tokenizer.decode(tokens[:index])
+    assert (by_eos.token_ids, by_eos.text, by_eos.finish_reason) == ([eos], "", "stop")
+    for params, output in zip(cases, (by_token, by_eos), strict=True):
+        deltas = list(text_llm.stream("The capital of France is", params))
+        assert "".join(delta.text for delta in deltas) == output.text
+        assert [token for delta in deltas for token in delta.token_ids] == output.token_ids
     assert_idle(text_llm)
 
 

@@ -78,19 +78,21 @@ def make_sequence(
     vocab: int,
     bad_words: tuple[tuple[int, ...], ...] = (),
     slot: int = 0,
+    stop_token_ids: frozenset[int] = frozenset(),
 ) -> Sequence:
     """A sequence holding slot `slot`, its prompt and output tokens on the host."""
     processors = SequenceProcessors(vocab, bad_words, slot=slot)
     seq = Sequence(
-        0, np.asarray(prompt), params, max_tokens=len(output) + 16, processors=processors
-    )
+        0, np.asarray(prompt), params, max_tokens=len(output) + 16, processors=processors,
+        stop_token_ids=stop_token_ids,
+    )  # fmt: skip
     for token in output:
         seq.append_token(token)
     return seq
 
 
 def write(state: ProcessorState, seq: Sequence) -> ProcessorState:
-    rows = slot_write(seq)
+    rows = slot_write(seq, seq.num_output_tokens)
     return write_slot(state, jnp.int32(rows.slot), *map(jnp.asarray, rows[1:]))
 
 
@@ -152,23 +154,27 @@ def test_process_equals_vllm_formulas(data, vocab, num_slots):
     bad_words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple), max_size=4),
     slot=st.integers(0, 2),
     bias=st.dictionaries(st.integers(0, 5), st.floats(-5.0, 5.0), max_size=3),
+    min_tokens=st.integers(0, 8),
+    stops=st.frozensets(st.integers(0, 5), max_size=2),
 )
 def test_counts_and_ban_edits_step_by_step_equal_a_fresh_write(
-    prompt, output, known, bad_words, slot, bias
+    prompt, output, known, bad_words, slot, bias, min_tokens, stops
 ):
     """A slot written with the first `known` output tokens, then each later token counted on
-    the device and the bans edited where they change, holds what a write of the whole output
-    holds; the other slots stay zero."""
+    the device and the bans edited where they change (bad words, and the stop tokens before
+    min_tokens), holds what a write of the whole output holds; the other slots stay zero."""
     vocab, bad_words = 6, tuple(bad_words)
-    params = SamplingParams(presence_penalty=0.5, logit_bias=bias or None)
+    params = SamplingParams(
+        presence_penalty=0.5, logit_bias=bias or None, min_tokens=min_tokens, max_tokens=16
+    )
     known = min(known, len(output))
-    seq = make_sequence(prompt, output[:known], params, vocab, bad_words, slot)
+    seq = make_sequence(prompt, output[:known], params, vocab, bad_words, slot, stops)
     state = write(ProcessorState.zeros(3, vocab), seq)
     for token in output[known:]:
         rows = jnp.asarray([-1, slot, -1], jnp.int32)  # rows of no slot count nothing
         state = count_tokens(state, rows, jnp.asarray([4, token, 5], jnp.int32))
         seq.append_token(token)
-        edits = ban_edits(seq)
+        edits = ban_edits(seq, seq.num_output_tokens)
         if edits:
             slots, tokens, values = (np.asarray(column) for column in zip(*edits, strict=True))
             state = edit_bias(
@@ -177,9 +183,11 @@ def test_counts_and_ban_edits_step_by_step_equal_a_fresh_write(
                 jnp.asarray(np.append(tokens, 0), jnp.int32),
                 jnp.asarray(np.append(values, 0.0), jnp.float32),
             )
-        assert seq.processors.banned == banned_now(seq)
+        assert seq.processors.banned == banned_now(seq, seq.num_output_tokens)
+        if seq.num_output_tokens < min_tokens:
+            assert stops <= seq.processors.banned
 
-    whole = make_sequence(prompt, output, params, vocab, bad_words, slot)
+    whole = make_sequence(prompt, output, params, vocab, bad_words, slot, stops)
     fresh = write(ProcessorState.zeros(3, vocab), whole)
     for name, array, expected in zip(state._fields, state, fresh, strict=True):
         np.testing.assert_array_equal(np.asarray(array), np.asarray(expected), err_msg=name)
@@ -268,7 +276,7 @@ def banned(output: list[int], bad_words=BAD_WORDS) -> frozenset[int]:
     seq = Sequence(0, np.asarray([1, 2]), SamplingParams(), max_tokens=8, processors=processors)
     for token in output:
         seq.append_token(token)
-    return banned_now(seq)
+    return banned_now(seq, len(output))
 
 
 def test_banned_now_names_last_tokens_whose_words_end_the_output():
