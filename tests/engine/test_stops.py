@@ -58,7 +58,10 @@ def seeded(**fields) -> SamplingParams:
     )
 
 
-def test_stop_token_ids_and_min_tokens(llm, checkpoint, continuation):
+# A min_tokens request's plans run one step while its stop tokens are banned, then several.
+@pytest.mark.parametrize("settings", [{}, {"num_scheduler_steps": 4}], ids=["one", "multi"])
+def test_stop_token_ids_and_min_tokens(make_llm, checkpoint, continuation, settings):
+    llm = make_llm(**settings)
     index = first_new_token(continuation, 3)
     stop = continuation[index]
     later = first_new_token(continuation, index + 2)
