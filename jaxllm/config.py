@@ -27,8 +27,8 @@ class EngineConfig:
             max_position_embeddings, at most 4,096. More than the model's is refused.
         kvcache_block_size: tokens per KV block, a power of two >= 8.
         num_kvcache_blocks: KV capacity in blocks; None sizes it from free device memory.
-        memory_fraction: the share of device memory jaxllm may fill (weights, activations, KV);
-            `LLM` also takes vLLM's name for it, gpu_memory_utilization.
+        gpu_memory_utilization: the share of device memory jaxllm may fill (weights,
+            activations, KV); `LLM` also takes it as memory_fraction.
         dtype: "float32" or "bfloat16"; None: bfloat16 on a GPU, else the checkpoint's dtype.
         enable_prefix_caching: reuse the KV of identical full blocks across requests.
         eviction_policy: "lru", "fifo", "lfu", "mru", or an `EvictionPolicy` instance.
@@ -59,7 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
-    memory_fraction: float = 0.9
+    gpu_memory_utilization: float = 0.9
     dtype: str | None = None
     enable_prefix_caching: bool = True
     eviction_policy: str | EvictionPolicy = "lru"
@@ -74,18 +74,18 @@ class EngineConfig:
 
     @classmethod
     def check_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """`LLM`'s engine arguments, checked as fields; vLLM's gpu_memory_utilization is
-        memory_fraction.
+        """`LLM`'s engine arguments, checked as fields; memory_fraction is
+        gpu_memory_utilization.
 
         Raises:
-            TypeError: an unknown name, or both names of memory_fraction.
+            TypeError: an unknown name, or both names of gpu_memory_utilization.
             ValueError: as construction does.
         """
         kwargs = dict(kwargs)
-        if "gpu_memory_utilization" in kwargs:
-            if "memory_fraction" in kwargs:
-                raise TypeError("pass memory_fraction or gpu_memory_utilization, not both")
-            kwargs["memory_fraction"] = kwargs.pop("gpu_memory_utilization")
+        if "memory_fraction" in kwargs:
+            if "gpu_memory_utilization" in kwargs:
+                raise TypeError("pass gpu_memory_utilization or memory_fraction, not both")
+            kwargs["gpu_memory_utilization"] = kwargs.pop("memory_fraction")
         unknown = sorted(set(kwargs) - {field.name for field in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
@@ -120,7 +120,7 @@ _CHECKS: dict[str, Check] = {
         "a power of two >= 8",
     ),
     "num_kvcache_blocks": (as_int, _in_range(1), "None or an integer in [1, 2**31)"),
-    "memory_fraction": (as_real, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]"),
+    "gpu_memory_utilization": (as_real, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]"),
     "dtype": (
         as_str,
         lambda dtype: dtype in ("float32", "bfloat16"),

@@ -36,7 +36,7 @@ class LLM:
         model: a Hugging Face Qwen3 directory, an orbax checkpoint saved by `LLM.save`, a Hub
             id, or "random:<shape>" ("random:qwen3-tiny", ...); None: the embedded default
             (`Platform.default_model`), with `Platform.default_engine_kwargs` under the given ones.
-        **kwargs: `EngineConfig` fields (gpu_memory_utilization: vLLM's name of memory_fraction).
+        **kwargs: `EngineConfig` fields (memory_fraction: another name of gpu_memory_utilization).
 
     Raises:
         TypeError: an unknown argument.

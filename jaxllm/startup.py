@@ -209,7 +209,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
                 f"({num_blocks * block_size} tokens), less than one request of max_model_len="
-                f"{config.max_model_len}; raise num_kvcache_blocks (or memory_fraction), or "
+                f"{config.max_model_len}; raise num_kvcache_blocks (or gpu_memory_utilization), or "
                 "lower max_model_len"
             )
         load = functools.partial(load_params, path, dtype=dtype, seed=config.seed, mesh=mesh)
@@ -281,7 +281,7 @@ def fit_num_blocks(
     params_bytes: int,
     per_block: int,
 ) -> int:
-    """KV blocks of `per_block` bytes that fit in `memory_fraction` of the device (its
+    """KV blocks of `per_block` bytes that fit in `gpu_memory_utilization` of the device (its
     `memory_stats()` before the params were placed) beside the params and `scratch`, the memory
     of the `largest` step (`step_scratch_bytes`; None: an estimate); on a CPU, the blocks of
     max_num_seqs max_model_len requests within `CPU_KV_CACHE_BYTES`."""
@@ -289,7 +289,7 @@ def fit_num_blocks(
     if not platform.gpu:
         wanted = config.max_num_seqs * blocks_per_seq
         return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-    limit = memory.get("bytes_limit", 0) * config.memory_fraction
+    limit = memory.get("bytes_limit", 0) * config.gpu_memory_utilization
     if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
         c = model_config
         scratch = largest.num_tokens * (c.hidden_size * 8 + c.intermediate_size * 6) * 4

@@ -183,11 +183,11 @@ ENGINE_INVALID = [
     ("kvcache_block_size", 16.0),
     ("num_kvcache_blocks", 0),
     ("num_kvcache_blocks", 1.5),
-    ("memory_fraction", 0.0),
-    ("memory_fraction", 1.5),
-    ("memory_fraction", math.nan),
-    ("memory_fraction", "0.5"),
-    ("memory_fraction", True),
+    ("gpu_memory_utilization", 0.0),
+    ("gpu_memory_utilization", 1.5),
+    ("gpu_memory_utilization", math.nan),
+    ("gpu_memory_utilization", "0.5"),
+    ("gpu_memory_utilization", True),
     ("dtype", "float16"),
     ("dtype", np.float32),
     ("enable_prefix_caching", "no"),
@@ -221,7 +221,7 @@ def test_engine_settings_take_numpy_scalars_and_policies():
         max_model_len=np.int64(256),
         kvcache_block_size=np.int64(16),
         num_kvcache_blocks=np.int64(32),
-        memory_fraction=np.float32(0.5),
+        gpu_memory_utilization=np.float32(0.5),
         dtype=np.str_("float32"),
         enable_prefix_caching=np.bool_(False),
         eviction_policy="LFU",
@@ -230,10 +230,10 @@ def test_engine_settings_take_numpy_scalars_and_policies():
     )
     assert config == EngineConfig(
         tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-        kvcache_block_size=16, num_kvcache_blocks=32, memory_fraction=0.5, dtype="float32",
+        kvcache_block_size=16, num_kvcache_blocks=32, gpu_memory_utilization=0.5, dtype="float32",
         enable_prefix_caching=False, eviction_policy="LFU", seed=7, compile_at_startup=True,
     )  # fmt: skip
-    assert type(config.max_num_seqs) is int and type(config.memory_fraction) is float
+    assert type(config.max_num_seqs) is int and type(config.gpu_memory_utilization) is float
     assert type(config.enable_prefix_caching) is bool and type(config.dtype) is str
     policy = LRUPolicy()
     assert EngineConfig(eviction_policy=policy).eviction_policy is policy

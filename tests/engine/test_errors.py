@@ -174,7 +174,7 @@ def test_bad_engine_arguments(checkpoint):
         LLM(path, max_num_sequences=4)
     with pytest.raises(TypeError, match="not both"):
         LLM(path, memory_fraction=0.5, gpu_memory_utilization=0.5)
-    with pytest.raises(ValueError, match="memory_fraction must be a number in"):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
         LLM(path, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
         LLM(path, kvcache_block_size=24)
@@ -197,7 +197,7 @@ def test_engine_defaults_match_the_documented_api():
         max_model_len=None,
         kvcache_block_size=256,
         num_kvcache_blocks=None,
-        memory_fraction=0.9,
+        gpu_memory_utilization=0.9,
         dtype=None,
         enable_prefix_caching=True,
         eviction_policy="lru",
