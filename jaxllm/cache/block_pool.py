@@ -87,8 +87,11 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(eviction_policy)
-        if len(self.policy):
-            raise ValueError("the eviction policy instance is already in use by another pool")
+        if self.policy.pool is not None:
+            raise ValueError(
+                f"this {type(self.policy).__name__} instance already serves another pool (an LLM "
+                "or a simulation): give each its own instance, or the policy's name"
+            )
         self.policy.pool = self
         self.clock = clock
         self._ref_counts = [0] * num_blocks
@@ -310,12 +313,26 @@ class BlockPool:
                 block_id = self._empty.pop()
             else:
                 block_id = self.policy.victim()
+                if not self._evictable(block_id):
+                    raise RuntimeError(
+                        f"{type(self.policy).__name__}.victim() chose {block_id!r}, which is not "
+                        "an evictable block (cached, unreferenced) of its pool"
+                    )
                 self.policy.on_evict(block_id)
                 self._forget(block_id)
                 self._num_evictions += 1
             self._ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
+
+    def _evictable(self, block_id: object) -> bool:
+        """Whether `block_id` is a cached block no sequence holds."""
+        return (
+            isinstance(block_id, int | np.integer)
+            and 0 <= block_id < self.num_blocks
+            and self._ref_counts[block_id] == 0
+            and self._hashes[block_id] is not None
+        )
 
     def _forget(self, block_id: int) -> None:
         """Drops the prefix-cache entry of a block (evicted, or not admitted)."""

@@ -165,8 +165,31 @@ def test_check_integrity_catches_broken_invariants():
 
 def test_a_policy_instance_serves_one_pool():
     policy = LRUPolicy()
-    pool = BlockPool(4, 4, eviction_policy=policy)
-    pool.free(compute(pool, [0, 1, 2, 3, 0]))
-    assert len(policy) == 1
-    with pytest.raises(ValueError, match="already in use"):
+    BlockPool(4, 4, eviction_policy=policy)
+    # Also while the first pool holds no evictable block: the two would share its records.
+    with pytest.raises(ValueError, match="LRUPolicy instance already serves another pool"):
         BlockPool(4, 4, eviction_policy=policy)
+
+
+class ChoosesAny(LRUPolicy):
+    """An LRU policy whose victim is whatever block it is told to name."""
+
+    choice: object = None
+
+    def victim(self) -> object:
+        return self.choice
+
+
+@pytest.mark.parametrize("choice", ["in use", "empty", -1, 4, "2"])
+def test_a_victim_that_is_not_evictable_is_refused_before_anything_changes(choice):
+    policy = ChoosesAny()
+    pool = BlockPool(4, 4, eviction_policy=policy)
+    held = compute(pool, [0, 1, 2, 3, 0, 5, 6, 7])  # two cached blocks
+    pool.free(held[:1])  # block held[0] is evictable, held[1] in use
+    spare = pool.allocate([], 2)  # the empty blocks: the next block is evicted
+    policy.choice = {"in use": held[1], "empty": None}.get(choice, choice)
+    with pytest.raises(RuntimeError, match=r"ChoosesAny.victim\(\) chose .*not an evictable block"):
+        pool.allocate([], 1)
+    pool.check_integrity([held[1:], spare])
+    policy.choice = held[0]
+    assert pool.allocate([], 1) == [held[0]]
