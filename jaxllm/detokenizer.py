@@ -135,7 +135,6 @@ class StopStrings:
     def __init__(self, tokenizer: PreTrainedTokenizerFast, params: SamplingParams) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._stops = params.stop
-        self._longest = max(len(stop) for stop in params.stop)
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
         self.text_end: int | None = None
@@ -147,8 +146,12 @@ class StopStrings:
         if not delta or self._num_tokens <= self._min_tokens:
             return False
         text = self._detokenizer.text
-        search_from = max(0, len(text) - len(delta) - self._longest + 1)
-        hits = [(i, stop) for stop in self._stops if (i := text.find(stop, search_from)) >= 0]
+        settled = len(text) - len(delta)  # NOTE: a hit ends in the new text
+        hits = [
+            (i, stop)
+            for stop in self._stops
+            if (i := text.find(stop, max(0, settled - len(stop) + 1))) >= 0
+        ]
         if not hits:
             return False
         self.text_end, self.matched = min(hits, key=lambda hit: hit[0])

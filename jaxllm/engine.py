@@ -107,7 +107,7 @@ class Engine:
 
         Raises:
             ValueError: a `logit_bias` key or an `allowed_token_ids` entry outside the
-                vocabulary, naming the field.
+                vocabulary, or allowed tokens that min_tokens bans all of, naming the field.
         """
         vocab = self.runner.config.vocab_size
         for name, tokens in (
@@ -120,6 +120,13 @@ class Engine:
                     f"SamplingParams.{name} names token {outside[0]}, outside the model's "
                     f"vocabulary [0, {vocab})"
                 )
+        stops = set(params.stop_token_ids or ())
+        stops |= set() if params.ignore_eos else set(self.scheduler.config.eos_token_ids)
+        if params.min_tokens and params.allowed_token_ids and stops >= {*params.allowed_token_ids}:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids holds only stop tokens (eos, stop_token_ids), "
+                "which min_tokens bans: nothing is left to sample"
+            )
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         # NOTE: a word with a token past the model's vocabulary can never be generated.
         return tuple(word for word in words if max(word) < vocab)

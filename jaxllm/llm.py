@@ -362,8 +362,7 @@ def _check_model(model: object) -> None:
         )
 
 
-# NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache,
-# so the previous one is dropped before the next is built.
+# NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
 _shared: list[tuple[tuple, LLM]] = []
 
 
@@ -376,8 +375,9 @@ def generate(
     **engine_kwargs: Any,
 ) -> list[RequestOutput]:
     """One call from a notebook: `LLM.generate` with `model` (an LLM, a model string, or None
-    for the embedded default). The engine is built once per (model, engine_kwargs) and reused
-    until a call asks for another; arguments it refuses leave the engine built before as it is.
+    for the embedded default). The engine is built once per (model, engine_kwargs), reused until
+    a call asks for another, and dropped before another is built; arguments refused by their
+    checks (names, types, ranges) keep it.
 
     Raises:
         TypeError, ValueError: as `LLM` and `LLM.generate` do; engine_kwargs with an LLM.

@@ -133,20 +133,21 @@ def chat_prompts(
 ) -> list[str]:
     """The prompt of each conversation of `messages` (`parse_conversations`), through the
     tokenizer's chat template: `options` are vLLM's chat_template, add_generation_prompt,
-    continue_final_message and tools; `enable_thinking` is Qwen3's (None: the template's
-    default, thinking on), beside the template's other `chat_template_kwargs`.
+    continue_final_message and tools, under the template's `chat_template_kwargs`;
+    `enable_thinking` is Qwen3's (None: the template's default, thinking on).
 
     Raises:
         ValueError: a malformed conversation, or both add_generation_prompt and
             continue_final_message.
     """
+    options |= chat_template_kwargs or {}  # NOTE: as in vLLM, these win
+    if enable_thinking is not None:
+        options["enable_thinking"] = enable_thinking
     if options.get("add_generation_prompt") and options.get("continue_final_message"):
         raise ValueError("continue_final_message=True needs add_generation_prompt=False")
-    template_kwargs = dict(chat_template_kwargs or {})
-    if enable_thinking is not None:
-        template_kwargs["enable_thinking"] = enable_thinking
+    options["tokenize"] = False
     return [
-        tokenizer.apply_chat_template(conversation, tokenize=False, **options, **template_kwargs)
+        tokenizer.apply_chat_template(conversation, **options)
         for conversation in parse_conversations(messages)
     ]
 

@@ -193,9 +193,9 @@ class ProcessorPlan(NamedTuple):
     """A step's logits processing (`StepPlan.processors`).
 
     Attributes:
-        rows: [2, S] int32: each sampled row's slot, whose processors apply (-1: none); then
-            the slot in which its sampled token is counted (-1 also where the row's token is
-            not its sequence's next, mid-prompt).
+        rows: [2, S] int32: each row's slot, whose processors apply, then the slot in which
+            its sampled token is counted; -1 for none, and where the row does not sample its
+            sequence's next token (mid-prompt, the raw logits of prompt logprobs).
         writes: slots written before the step.
         edits: bias entries set before the step: [E] slots, [E] tokens, [E] values.
     """
@@ -221,8 +221,7 @@ def processor_plan(
         proc = seq.processors
         if proc is None:
             continue
-        rows[0, index] = proc.slot
-        rows[1, index] = proc.slot if sampled else -1
+        rows[:, index] = proc.slot if sampled else -1
         if seq.seq_id in written:
             writes.append(slot_write(seq, num_outputs[index]))
         elif proc.has_multi_token_words or seq.params.min_tokens:

@@ -224,13 +224,11 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
         """Why `seq` ends with its newest token `token` (`last`: the last its grammar read)."""
-        # NOTE: the stop strings see every token, so their text stays whole.
+        if seq.ends_with_stop_token:  # NOTE: as in vLLM, its text is not searched
+            return "stop"
+        # NOTE: the stop strings see every other token, so their text stays whole.
         stop_string = seq.stop_strings is not None and seq.stop_strings(token)
-        if (
-            stop_string
-            or seq.ends_with_stop_token
-            or (last and seq.grammar and seq.grammar.is_terminated)
-        ):
+        if stop_string or (last and seq.grammar and seq.grammar.is_terminated):
             return "stop"
         return "length" if seq.num_output_tokens >= seq.max_tokens else None
 

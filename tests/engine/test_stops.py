@@ -86,6 +86,14 @@ def test_stop_token_ids_and_min_tokens(make_llm, checkpoint, continuation, setti
     assert_idle(llm)
 
 
+def test_allowed_tokens_that_min_tokens_bans_all_of_are_refused(llm):
+    with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
+        llm.generate([PROMPT], greedy(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2))
+    assert_idle(llm)
+    (output,) = llm.generate([PROMPT], greedy(allowed_token_ids=[5], stop_token_ids=[5]))
+    assert (output.token_ids, output.finish_reason) == ([5], "stop")
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     params = greedy(max_tokens=None, ignore_eos=True)
     (output,) = llm.generate([PROMPT], params, use_tqdm=False)
@@ -151,26 +159,49 @@ def test_stop_strings(text_llm, text_continuation):
 
 
 def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuation):
-    tokens = text_continuation.token_ids
-    index = first_new_token(tokens, 3)
-    eos = text_llm.tokenizer.eos_token_id
+    """As in vLLM: the stop token that ends a completion is in its token ids, not in its text,
+    and no stop string is searched for in its text."""
+    tokenizer, tokens = text_llm.tokenizer, text_continuation.token_ids
+    index = next(
+        i
+        for i in range(3, len(tokens))
+        if tokens[i] not in tokens[:i]
+        and len(piece := tokenizer.decode(tokens[i : i + 1])) >= 2
+        and piece not in tokenizer.decode(tokens[: i + 1])[: -len(piece)]
+    )
+    piece, eos = tokenizer.decode(tokens[index : index + 1]), tokenizer.eos_token_id
+    forced_eos = {"ignore_eos": False, "logit_bias": {eos: 100.0}, "skip_special_tokens": False}
     cases = [
         seeded(stop_token_ids=[tokens[index]]),
-        seeded(ignore_eos=False, logit_bias={eos: 100.0}, skip_special_tokens=False),
+        seeded(stop_token_ids=[tokens[index]], stop=[piece]),
+        seeded(**forced_eos),
+        seeded(**forced_eos, stop=["<|im_end|>"]),
     ]
-    by_token, by_eos = text_llm.generate(["The capital of France is"] * 2, cases, use_tqdm=False)
+    outputs = text_llm.generate(["The capital of France is"] * len(cases), cases, use_tqdm=False)
 
-    assert (
-        by_token.token_ids == tokens[: index + 1]
-        and by_token.outputs[0].stop_reason == tokens[index]
-    )
-    assert by_token.text == text_llm.tokenizer.decode(tokens[:index])
-    assert (by_eos.token_ids, by_eos.text, by_eos.finish_reason) == ([eos], "", "stop")
-    for params, output in zip(cases, (by_token, by_eos), strict=True):
+    for output in outputs[:2]:
+        assert output.token_ids == tokens[: index + 1]
+        assert output.text == tokenizer.decode(tokens[:index])
+        assert output.outputs[0].stop_reason == tokens[index]
+    for output in outputs[2:]:
+        assert (output.token_ids, output.text, output.finish_reason) == ([eos], "", "stop")
+        assert output.outputs[0].stop_reason is None
+    for params, output in zip(cases, outputs, strict=True):
         deltas = list(text_llm.stream("The capital of France is", params))
         assert "".join(delta.text for delta in deltas) == output.text
         assert [token for delta in deltas for token in delta.token_ids] == output.token_ids
     assert_idle(text_llm)
+
+
+def test_a_stop_string_is_searched_for_in_text_past_min_tokens_by_its_own_length():
+    """Each stop string must end in the new text: "ab", in the text of the first min_tokens
+    tokens, does not stop the output, however long the other stop strings."""
+    tokenizer = qwen3_tokenizer()
+    tokens = [tokenizer.convert_tokens_to_ids(piece) for piece in ("x", "ab", "c")]
+    stops = StopStrings(tokenizer, SamplingParams(stop=["ab", "Q" * 10], min_tokens=2))
+    assert [stops(token) for token in tokens] == [False, False, False]
+    stops = StopStrings(tokenizer, SamplingParams(stop=["ab", "Q" * 10], min_tokens=1))
+    assert [stops(token) for token in tokens[:2]] == [False, True] and stops.text == "x"
 
 
 def test_chat_applies_the_template(text_llm):
@@ -214,6 +245,10 @@ def test_chat_takes_vllms_arguments(text_llm):
     )
     # the template's empty thinking block, then the reply continued
     assert continued.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nPar")
+    # vLLM's rule: chat_template_kwargs win over chat's own arguments
+    options = {"chat_template_kwargs": {"add_generation_prompt": False}}
+    (bare,) = text_llm.chat([{"role": "user", "content": question}], params, False, **options)
+    assert bare.prompt == f"<|im_start|>user\n{question}<|im_end|>\n"
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     (tools,) = text_llm.chat([{"role": "user", "content": question}], params, False, tools=[tool])
     assert "get_weather" in tools.prompt and tools.prompt.endswith(head.split("user\n")[-1])
