@@ -76,11 +76,13 @@ class BlockAccesses:
             looking it up (a block-aligned prompt's last block, output blocks), increasing: a
             refill puts the block back in the cache for the lookups after it.
         num_requests: the workload's length.
+        block_size: the tokens of a block.
     """
 
     lookups: dict[int, list[int]]
     refills: dict[int, list[int]]
     num_requests: int
+    block_size: int
 
 
 def block_accesses(requests: Sequence[Request], block_size: int) -> BlockAccesses:
@@ -93,7 +95,7 @@ def block_accesses(requests: Sequence[Request], block_size: int) -> BlockAccesse
         for index, block_hash in enumerate(hashes):
             accesses = lookups if index < num_lookups else refills
             accesses.setdefault(block_hash, []).append(position)
-    return BlockAccesses(lookups, refills, len(requests))
+    return BlockAccesses(lookups, refills, len(requests), block_size)
 
 
 class BeladyPolicy(PriorityPolicy):
@@ -146,7 +148,16 @@ class BeladyPolicy(PriorityPolicy):
 
     def bind_run(self, pool, seqs: list[SchedSequence]) -> None:
         """What `cache_sim.simulate` calls: binds the policy to its pool and to its sequences,
-        in the order they are added (the requests' order, or their arrival order)."""
+        in the order they are added (the requests' order, or their arrival order).
+
+        Raises:
+            ValueError: the pool's blocks are not of the size the accesses were counted in.
+        """
+        if pool.block_size != self._accesses.block_size:
+            raise ValueError(
+                f"BeladyPolicy counted blocks of {self._accesses.block_size} tokens; the pool's "
+                f"hold {pool.block_size}"
+            )
         self.bind(pool.block_hash, AdmissionCounter(seqs))
 
     def next_use(self, block_hash: int, num_admitted: int) -> int:

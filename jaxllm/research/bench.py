@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from jaxllm.cache import CacheStats
+from jaxllm.cache.eviction import POLICIES
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV, Platform
 from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
 
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None)
     parser.add_argument("--json", default=None, help="write a JSON record here")
-    parser.add_argument("--eviction-policy", default="lru", help="lru, fifo, lfu or mru")
+    parser.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
     parser.add_argument("--block-size", type=int, default=None, help="kvcache_block_size")
     parser.add_argument(
         "--compile-at-startup",
@@ -241,6 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1 or (args.repeat > 1 and not args.fixed_lengths):
         parser.error("--repeat takes a positive count, and more than 1 only with --fixed-lengths")
+    if args.num_seqs is not None and args.num_seqs < 1:
+        parser.error("--num-seqs must be at least 1")
+    if args.workload and (args.num_seqs is not None or args.request_rate is not None):
+        parser.error("--num-seqs and --request-rate do not apply to a --workload: it runs whole")
+    requests = None
+    if args.workload:
+        try:
+            requests = workload_from_arguments(args)
+        except ValueError as error:
+            parser.error(str(error))
+        if not requests:
+            parser.error("the workload has no requests")
     for flag, value in (
         ("--max-input-len", args.max_input_len),
         ("--max-output-len", args.max_output_len),
@@ -271,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     num_seqs = args.num_seqs or num_seqs
     max_in = args.max_input_len or max_in
     max_out = args.max_output_len or max_out
-    requests = None
-    if args.workload:
-        requests = workload_from_arguments(args)
+    if requests:
         longest = max(r.num_prompt_tokens + r.max_tokens for r in requests)
         engine_kwargs["max_model_len"] = max(engine_kwargs.get("max_model_len", 4096), longest)
         prompts = [r.prompt_token_ids.tolist() for r in requests]
@@ -299,18 +311,23 @@ def main(argv: list[str] | None = None) -> int:
         **engine_kwargs,
     )
     startup_s = time.perf_counter() - start
+    # NOTE: a workload's identical prompts sample identical outputs (seeded by their tokens), as
+    # the simulator, whose predictions the record holds, assumes.
+    seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
+    seeds = seeds if requests else [None] * len(prompts)
     params = [
         SamplingParams(
             temperature=0.6,
             ignore_eos=True,
             max_tokens=n,
+            seed=seed,
             logprobs=args.logprobs,
             repetition_penalty=args.repetition_penalty,
             structured_outputs=StructuredOutputsParams(json=SCHEMAS[args.json_schema])
             if args.json_schema
             else None,
         )
-        for n in max_tokens
+        for n, seed in zip(max_tokens, seeds, strict=True)
     ]
     # NOTE: a workload's warm-up leaves no block in the prefix cache (3 + 1 tokens), so the
     # run starts from the state the simulator assumes.

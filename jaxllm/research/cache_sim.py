@@ -3,9 +3,10 @@
 The step loop is the engine's (`Engine.step`): plan step N, then update step N - 1 with its
 tokens; so with the engine's `SchedulerConfig` the simulator admits, evicts and preempts exactly
 as the engine does and reports the same `CacheStats` (tests/engine/test_cache_sim_vs_engine.py).
-Requests run with ignore_eos, so each makes exactly its max_tokens. The sampled tokens are
-synthetic: always `SYNTHETIC_TOKEN`, so, as under greedy decoding, identical prompts produce
-identical outputs (and share their output blocks) and different prompts never do.
+Requests run with ignore_eos, so each makes its max_tokens (what max_model_len leaves). The
+sampled tokens are synthetic: always `SYNTHETIC_TOKEN`, so, as under greedy decoding, identical
+prompts produce identical outputs (and share their output blocks) and different prompts never
+do.
 
 A simulated clock (a fixed `step_time`, or a `cost_model.StepCostModel` pricing each step's
 work) gives times to first token and queueing delays in seconds.
@@ -292,7 +293,7 @@ def simulate(
     arrived = np.array(arrivals, dtype=np.float64)
     ttft = np.array(first_token_at, dtype=np.float64) - arrived
     queueing = np.array(scheduled_at, dtype=np.float64) - arrived
-    num_output_tokens = sum(r.max_tokens for r in requests)
+    num_output_tokens = sum(seq.max_tokens for seq in seqs)  # as max_model_len allows
     return SimResult(
         policy=name.lower(),
         num_blocks=config.num_blocks,

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,23 @@ class Request:
     max_tokens: int
     arrival_time: float | None = None
     metadata: dict | None = None
+
+    def __post_init__(self) -> None:
+        prompt = np.asarray(self.prompt_token_ids)
+        if prompt.ndim != 1 or not prompt.size or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError("prompt_token_ids must be a non-empty 1-d array of token ids")
+        if not 0 <= prompt.min() <= prompt.max() < 2**31:
+            raise ValueError("prompt_token_ids must be in [0, 2**31)")
+        object.__setattr__(self, "prompt_token_ids", prompt.astype(np.int32, copy=False))
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int | np.integer):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        arrival = self.arrival_time
+        if arrival is not None and not (math.isfinite(arrival) and arrival >= 0):
+            raise ValueError(f"arrival_time must be a finite number >= 0, got {arrival!r}")
+        if self.metadata is not None and not isinstance(self.metadata, dict):
+            raise ValueError(f"metadata must be an object, got {self.metadata!r}")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -215,14 +233,11 @@ def with_poisson_arrivals(
     requests: Sequence[Request], request_rate: float, *, seed: int = 0
 ) -> list[Request]:
     """The same requests, arriving as a Poisson process of `request_rate` requests a second."""
-    if request_rate <= 0:
-        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    if not (math.isfinite(request_rate) and request_rate > 0):
+        raise ValueError(f"request_rate must be a finite number > 0, got {request_rate}")
     gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, len(requests))
     times = np.cumsum(gaps) - gaps[0]
-    return [
-        Request(r.prompt_token_ids, r.max_tokens, float(t))
-        for r, t in zip(requests, times, strict=True)
-    ]
+    return [replace(r, arrival_time=float(t)) for r, t in zip(requests, times, strict=True)]
 
 
 # Traces.
@@ -262,26 +277,31 @@ def load_trace(
         for line_number, line in enumerate(file, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
             try:
+                record = json.loads(line)
                 if "prompt_token_ids" in record:
-                    prompt = np.asarray(record["prompt_token_ids"], dtype=np.int32)
+                    prompt = np.asarray(record["prompt_token_ids"])
+                    if prompt.size and not np.issubdtype(prompt.dtype, np.integer):
+                        raise ValueError("prompt_token_ids must be integers")
                 else:
                     hash_ids = record["hash_ids"]
                     length = record.get("input_length", len(hash_ids) * hash_block_size)
                     prompt = np.concatenate([block_of(int(h)) for h in hash_ids])[:length]
-                    if len(prompt) < length:
-                        raise ValueError(f"input_length {length} > {len(hash_ids)} hash blocks")
+                    if not 0 < length <= len(prompt):
+                        raise ValueError(
+                            f"input_length {length} is not in [1, {len(prompt)}] (the tokens of "
+                            f"{len(hash_ids)} hash blocks)"
+                        )
                 max_tokens = record.get("max_tokens", record.get("output_length"))
                 if max_tokens is None:
                     raise KeyError("max_tokens or output_length")
                 arrival = record.get("arrival_time")
                 if arrival is None and "timestamp" in record:
                     arrival = record["timestamp"] / 1000.0
+                arrival = None if arrival is None else float(arrival)
+                requests.append(Request(prompt, max_tokens, arrival, record.get("metadata")))
             except (KeyError, ValueError, TypeError) as error:
                 raise ValueError(f"{path}:{line_number}: bad trace record ({error})") from None
-            arrival = None if arrival is None else float(arrival)
-            requests.append(Request(prompt, int(max_tokens), arrival, record.get("metadata")))
     return requests
 
 

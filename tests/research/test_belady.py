@@ -161,6 +161,14 @@ def test_block_accesses_follow_the_scheduler():
     assert policy.next_use(second, 1) == 3  # refilled at 1 before its lookup at 2: never
 
 
+def test_belady_refuses_a_pool_of_other_blocks():
+    requests = one_block_requests("ABA")
+    with pytest.raises(ValueError, match="blocks of 8 tokens; the pool's hold 4"):
+        simulate(
+            requests, make_config(requests, block_size=4), BeladyPolicy.for_requests(requests, 8)
+        )
+
+
 def test_belady_needs_its_run():
     requests = one_block_requests("ABA")
     policy = BeladyPolicy.for_requests(requests, 4)

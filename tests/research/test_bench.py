@@ -67,3 +67,20 @@ def test_bench_repeat_needs_fixed_lengths(capsys):
         main(["--repeat", "2"])
     assert exit_info.value.code == 2
     assert "--repeat" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-seqs", "0"], "--num-seqs must be at least 1"),
+        (["--workload", "prefix-repetition", "--num-seqs", "4"], "do not apply to a --workload"),
+        (["--workload", "prefix-repetition", "--request-rate", "2"], "do not apply"),
+        (["--eviction-policy", "bogus"], "invalid choice: 'bogus'"),
+        (["--workload", "shared-prefix", "--groups", "0"], "the workload has no requests"),
+    ],
+)
+def test_bench_refuses_flags_it_would_ignore_or_trip_on(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

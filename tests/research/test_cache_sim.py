@@ -171,8 +171,8 @@ def test_small_cache_evicts_and_preempts_consistently(policy):
 
 
 def test_counts_do_not_depend_on_pipelining():
-    """The engine applies a step's tokens one step late (schedule N, apply N-1, commit N);
-    `update` (commit + apply at once) reaches the same counters."""
+    """The engine updates each step one step late (schedule N, then update N - 1); updating
+    each step at once reaches the same counters."""
     requests, config = small_cache_workload()
     pipelined = simulate(requests, config, "lru")
     scheduler = Scheduler(config, eviction_policy="lru")
@@ -262,3 +262,9 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
     record = json.loads((tmp_path / "out.json").read_text())
     assert record["workload"]["groups"] == 4 and len(record["results"]) == 9
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_output_tokens_are_those_max_model_len_leaves():
+    requests = [w.Request(np.arange(1, 11), 200), w.Request(np.arange(20, 25), 3)]
+    result = simulate(requests, make_config(requests, block_size=16, max_model_len=22))
+    assert result.num_output_tokens == 12 + 3

@@ -99,6 +99,30 @@ def test_poisson_arrivals():
     assert 1 / 50 * 0.7 < np.diff(times).mean() < 1 / 50 * 1.3
     with pytest.raises(ValueError):
         w.with_poisson_arrivals(requests, 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        w.with_poisson_arrivals(requests, float("nan"))
+    tagged = [
+        w.Request(r.prompt_token_ids, r.max_tokens, metadata={"session": 1}) for r in requests
+    ]
+    assert all(r.metadata == {"session": 1} for r in w.with_poisson_arrivals(tagged, 50.0))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt_token_ids": np.array([], np.int32)}, "non-empty"),
+        ({"prompt_token_ids": np.array([1.5])}, "token ids"),
+        ({"prompt_token_ids": np.array([-1])}, r"\[0, 2\*\*31\)"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 2.0}, "max_tokens must be an integer"),
+        ({"arrival_time": float("nan")}, "arrival_time must be a finite number"),
+        ({"arrival_time": -1.0}, "arrival_time must be a finite number"),
+        ({"metadata": "session"}, "metadata must be an object"),
+    ],
+)
+def test_a_request_refuses_what_no_run_could_replay(fields, message):
+    with pytest.raises(ValueError, match=message):
+        w.Request(**({"prompt_token_ids": np.array([1, 2]), "max_tokens": 3} | fields))
 
 
 def test_trace_round_trip(tmp_path):
@@ -136,6 +160,16 @@ def test_bad_trace_names_the_line(tmp_path):
     path.write_text('{"hash_ids": [1], "input_length": 9, "max_tokens": 1}\n')
     with pytest.raises(ValueError, match=r":1: .*input_length"):
         w.load_trace(path, hash_block_size=4)
+    for line in (
+        "{not json",
+        '{"prompt_token_ids": [1, 2], "max_tokens": "3"}',
+        '{"prompt_token_ids": [1.5, 2], "max_tokens": 3}',
+        '{"prompt_token_ids": [1, 2], "max_tokens": 3, "timestamp": NaN}',
+        '{"hash_ids": [1], "input_length": -2, "max_tokens": 1}',
+    ):
+        path.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 3}\n' + line + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:2: bad trace record"):
+            w.load_trace(path, hash_block_size=4)
 
 
 @pytest.mark.parametrize(
