@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     args = parser.parse_args(argv)
+    if args.disable_any_whitespace and args.json_schema is None:
+        parser.error("--disable-any-whitespace applies to --json-schema only")
 
     from jaxllm import structured as grammars
     from jaxllm.llm import LLM

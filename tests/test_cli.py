@@ -123,6 +123,7 @@ def test_constrained_generation_from_the_command_line(capsys, tmp_path):
         (["--choice", "a", "--regex", "b"], "not allowed with argument"),
         (["--json-schema", "no/such/file.json"], "No such file"),
         (["--regex", "(unclosed"], "StructuredOutputsParams.regex is invalid"),
+        (["--regex", "a", "--disable-any-whitespace"], "applies to --json-schema only"),
     ],
 )
 def test_bad_constraints_exit_with_the_reason_before_the_engine_starts(
