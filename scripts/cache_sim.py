@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from jaxllm.cache.eviction import EvictionPolicy
+from jaxllm.cache.eviction import EvictionPolicy, make_policy
 from jaxllm.research.cache_sim import (
     POLICY_NAMES,
     default_cache_sizes,
@@ -38,7 +38,10 @@ def _policy(spec: str) -> str | type[EvictionPolicy]:
     import importlib
 
     module, name = spec.split(":", 1)
-    return getattr(importlib.import_module(module), name)
+    policy = getattr(importlib.import_module(module), name)
+    if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+        raise ValueError(f"{spec} is not an EvictionPolicy subclass")
+    return policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,19 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    requests = workload_from_arguments(args)
-    generate_seconds = time.perf_counter() - start
-    config = make_config(
-        requests,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_tile=args.prefill_tile,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-    sizes = args.cache_blocks or default_cache_sizes(requests, args.block_size)
-    policies = [_policy(name) for name in args.policies.split(",") if name]
+    # NOTE: everything the flags decide is checked before the first simulation.
+    try:
+        if args.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+        requests = workload_from_arguments(args)
+        generate_seconds = time.perf_counter() - start
+        if not requests:
+            raise ValueError("the workload has no requests")
+        config = make_config(
+            requests,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_tile=args.prefill_tile,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        sizes = args.cache_blocks or default_cache_sizes(requests, args.block_size)
+        policies = [_policy(name) for name in args.policies.split(",") if name]
+        for policy in policies:
+            if isinstance(policy, str):
+                make_policy(policy)
+    except (ValueError, ImportError, AttributeError) as error:
+        parser.error(str(error))
     print(
         f"{args.workload}: {len(requests)} requests, "
         f"{sum(r.num_prompt_tokens for r in requests)} prompt tokens, "

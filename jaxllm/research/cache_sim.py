@@ -345,9 +345,18 @@ def sweep(
 
     Args:
         policies: names, or `EvictionPolicy` classes (each run gets a fresh instance).
+
+    Raises:
+        ValueError: a policy instance (it can serve one run only).
     """
     sizes = list(cache_sizes) or [config.num_blocks]
     policies = list(policies)
+    for policy in policies:
+        if isinstance(policy, EvictionPolicy):
+            raise ValueError(
+                f"sweep makes a policy per run: pass {type(policy).__name__}, the class, not an "
+                "instance"
+            )
     return [
         simulate(
             requests,

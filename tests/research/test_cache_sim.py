@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from support.repo import ROOT
 
+from jaxllm.cache import LRUPolicy
 from jaxllm.research import workloads as w
 from jaxllm.research.cache_sim import (
     POLICY_NAMES,
@@ -264,7 +265,33 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--block-size=0", "--block-size must be at least 1"),
+        ("--policies=lru,bogus", "got 'bogus'"),
+        ("--policies=os:path", "os:path is not an EvictionPolicy subclass"),
+        ("--groups=0", "the workload has no requests"),
+    ],
+)
+def test_cli_refuses_bad_flags_before_any_simulation(flag, message):
+    script = str(ROOT / "scripts" / "cache_sim.py")
+    argv = [sys.executable, script, "--workload=shared-prefix", "--groups=2", flag]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not result.stdout  # nothing simulated
+
+
 def test_output_tokens_are_those_max_model_len_leaves():
     requests = [w.Request(np.arange(1, 11), 200), w.Request(np.arange(20, 25), 3)]
     result = simulate(requests, make_config(requests, block_size=16, max_model_len=22))
     assert result.num_output_tokens == 12 + 3
+
+
+def test_sweep_takes_policy_classes_not_instances():
+    requests = w.shared_prefix(2, 2, 16, 4, 4)
+    config = make_config(requests, block_size=16)
+    with pytest.raises(ValueError, match="pass LRUPolicy, the class, not an instance"):
+        sweep(requests, config, [LRUPolicy()])
+    assert sweep(requests, config, [LRUPolicy])[0].policy == "lru"
