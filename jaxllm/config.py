@@ -79,7 +79,7 @@ class EngineConfig:
 
         Raises:
             TypeError: an unknown name, or both names of gpu_memory_utilization.
-            ValueError: as construction does.
+            ValueError: as construction does; a policy instance another pool uses.
         """
         kwargs = dict(kwargs)
         if "memory_fraction" in kwargs:
@@ -90,6 +90,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
         cls(**kwargs)
+        policy = kwargs.get("eviction_policy")
+        if isinstance(policy, EvictionPolicy) and policy.pool is not None:
+            raise ValueError(
+                f"eviction_policy: this {type(policy).__name__} instance already serves another "
+                "LLM's pool; give each LLM its own instance, or the policy's name"
+            )
         return kwargs
 
 

@@ -86,13 +86,12 @@ class Engine:
             raise ValueError(
                 f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
             )
-        bad_words = self._check_processors(params)
+        bad_words, processes = self._check_processors(params)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         seqs = []
         for index in range(params.n):
             child = params if params.n == 1 else completion_params(params, index)
             stop_strings = StopStrings(self.tokenizer, child) if child.stop else None
-            processes = params.processes_logits or params.min_tokens  # min_tokens: stops banned
             processors = SequenceProcessors(vocab, bad_words) if processes else None
             sequence_grammar = grammar and self.grammars.sequence_grammar(grammar)
             seq = self.scheduler.new_sequence(
@@ -102,8 +101,9 @@ class Engine:
             seqs[-1].parent = seqs[0] if index else None
         return Request(seqs, prompt, RequestMetrics(arrival_time=0.0))
 
-    def _check_processors(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """The token ids of the bad words, after checking the token ids the params name.
+    def _check_processors(self, params: SamplingParams) -> tuple[tuple[tuple[int, ...], ...], bool]:
+        """The token ids of the bad words, and whether logits processors apply (min_tokens: when
+        it has stop tokens to ban), after checking the token ids the params name.
 
         Raises:
             ValueError: a `logit_bias` key or an `allowed_token_ids` entry outside the
@@ -129,7 +129,8 @@ class Engine:
             )
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         # NOTE: a word with a token past the model's vocabulary can never be generated.
-        return tuple(word for word in words if max(word) < vocab)
+        bans = params.min_tokens and any(token < vocab for token in stops)
+        return tuple(word for word in words if max(word) < vocab), params.processes_logits or bans
 
     def add(self, request: Request) -> None:
         """Queues a request made by `new_request`."""

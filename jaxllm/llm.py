@@ -390,10 +390,10 @@ def generate(
             )
         llm = model
     else:
-        engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
-        _check_model(model)
         key = (model, tuple(sorted(engine_kwargs.items())))
         if not _shared or _shared[0][0] != key:
+            engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
+            _check_model(model)
             _shared.clear()
             _shared.append((key, LLM(model, **engine_kwargs)))
         llm = _shared[0][1]

@@ -112,7 +112,8 @@ class SamplingParams:
         max_tokens: generate at most this many tokens. Range [1, inf); None: as many as
             max_model_len leaves (vLLM's meaning).
         min_tokens: eos and stop_token_ids are not sampled, and stop strings not matched in
-            the text, until this many tokens are out (vLLM's meaning).
+            the text, until this many tokens are out (vLLM's meaning; with ignore_eos, eos is
+            not banned, where vLLM bans the model's).
         ignore_eos: keep generating after the eos token (still stops at max_tokens).
         stop: strings that end the output; the text ends before the stop string.
         stop_token_ids: token ids that end the output (kept in `token_ids`, not in the text,

@@ -313,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = time.perf_counter() - start
     # NOTE: a workload's identical prompts sample identical outputs (seeded by their tokens), as
     # the simulator, whose predictions the record holds, assumes.
-    seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
-    seeds = seeds if requests else [None] * len(prompts)
+    seeds = [None] * len(prompts)
+    if requests:
+        seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
     params = [
         SamplingParams(
             temperature=0.6,

@@ -60,6 +60,7 @@ class Request:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
         arrival = self.arrival_time
         if arrival is not None and not (math.isfinite(arrival) and arrival >= 0):
             raise ValueError(f"arrival_time must be a finite number >= 0, got {arrival!r}")
@@ -286,12 +287,12 @@ def load_trace(
                 else:
                     hash_ids = record["hash_ids"]
                     length = record.get("input_length", len(hash_ids) * hash_block_size)
-                    prompt = np.concatenate([block_of(int(h)) for h in hash_ids])[:length]
-                    if not 0 < length <= len(prompt):
+                    if not 0 < length <= len(hash_ids) * hash_block_size:
                         raise ValueError(
-                            f"input_length {length} is not in [1, {len(prompt)}] (the tokens of "
-                            f"{len(hash_ids)} hash blocks)"
+                            f"input_length {length} is not in [1, {len(hash_ids)} hash blocks of "
+                            f"{hash_block_size} tokens]"
                         )
+                    prompt = np.concatenate([block_of(int(h)) for h in hash_ids])[:length]
                 max_tokens = record.get("max_tokens", record.get("output_length"))
                 if max_tokens is None:
                     raise KeyError("max_tokens or output_length")

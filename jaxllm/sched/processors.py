@@ -1,5 +1,5 @@
 """The host side of the logits processors (`jaxllm.model.logits_processors`): each sequence's
-slot, the rows written into it, and the bad-word bans.
+slot, the rows written into it, and the bans (bad words, the stop tokens before min_tokens).
 
 A sequence that asks for penalties, a bias, allowed tokens, bad words or min_tokens gets a slot
 when it is admitted and gives it back when it is preempted, finishes or is released; the step
@@ -33,7 +33,7 @@ class SequenceProcessors:
         bad_words: each bad word's token ids (vLLM's tokenization: the word, and the word after
             a space).
         slot: the slot held while running; None otherwise.
-        banned: the last tokens of multi-token bad words banned in the slot's bias row now.
+        banned: the tokens `banned_now` banned in the slot's bias row, as the device has it.
     """
 
     vocab_size: int
@@ -224,8 +224,8 @@ def processor_plan(
         rows[:, index] = proc.slot if sampled else -1
         if seq.seq_id in written:
             writes.append(slot_write(seq, num_outputs[index]))
-        elif proc.has_multi_token_words or seq.params.min_tokens:
-            edits += ban_edits(seq, num_outputs[index])
+        elif sampled and (proc.has_multi_token_words or seq.params.min_tokens):
+            edits += ban_edits(seq, num_outputs[index])  # NOTE: a row that samples needs them
     if not writes and (rows[0] < 0).all():
         return None
     if not edits:

@@ -66,6 +66,8 @@ class Scheduler:
         # NOTE: sequences a planned step samples the last token of: their K/V is never read
         # again, so their blocks go back when that step is planned; `update` finishes them.
         self.sampling_last: list[Sequence] = []
+        self._queues = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                        SequenceStatus.SAMPLING_LAST: self.sampling_last}  # fmt: skip
         self.num_preemptions = 0
         self.slots = ProcessorSlots(config.max_num_seqs)  # the logits processors'
         self.num_constrained = 0  # live sequences with a grammar
@@ -117,8 +119,7 @@ class Scheduler:
         to can be trusted."""
         for seq in self._live.values():
             seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, "abort"
-            if seq.processors is not None:
-                seq.processors.slot = None
+            self.slots.release(seq)  # NOTE: every slot is free again below
         for queue in (self.waiting, self.running, self.sampling_last, self._live):
             queue.clear()
         self.block_pool.reset()
@@ -223,14 +224,17 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
-        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read)."""
-        if seq.ends_with_stop_token:  # NOTE: as in vLLM, its text is not searched
+        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), in
+        vLLM's order: max_tokens, then a stop token (its text unsearched), then a stop string."""
+        length = seq.num_output_tokens >= seq.max_tokens
+        if not length and seq.ends_with_stop_token:
             return "stop"
         # NOTE: the stop strings see every other token, so their text stays whole.
-        stop_string = seq.stop_strings is not None and seq.stop_strings(token)
-        if stop_string or (last and seq.grammar and seq.grammar.is_terminated):
+        if seq.stop_strings is not None and seq.stop_strings(token):
             return "stop"
-        return "length" if seq.num_output_tokens >= seq.max_tokens else None
+        if length:
+            return "length"
+        return "stop" if last and seq.grammar and seq.grammar.is_terminated else None
 
     def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Enters the blocks of `seq` that tokens `start` .. `end - 1` complete into the prefix
@@ -377,9 +381,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a live sequence: out of its queue, its blocks freed."""
-        status = SequenceStatus
-        queues = {status.RUNNING: self.running, status.WAITING: self.waiting}
-        queues.get(seq.status, self.sampling_last).remove(seq)
+        self._queues[seq.status].remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -14,6 +14,7 @@ from support.engine import BASE_SETTINGS, assert_idle, greedy_params
 
 import jaxllm
 from jaxllm import LLM, SamplingParams, startup
+from jaxllm.cache import LRUPolicy
 from jaxllm.runner import ModelRunner
 
 PROMPT = "The capital of France is"
@@ -155,12 +156,21 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
             with pytest.raises((TypeError, ValueError), match="max_num_seq"):
                 jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **bad)
             assert jaxllm.llm._shared[0][1] is engine
+        # A policy instance serves one LLM: refused for another before the shared one is dropped.
+        policy = LRUPolicy()
+        kwargs = dict(model=str(checkpoint.path), eviction_policy=policy, **settings)
+        jaxllm.generate([[1, 2, 3]], params, **kwargs)
+        engine = jaxllm.llm._shared[0][1]
+        with pytest.raises(ValueError, match="LRUPolicy instance already serves another LLM"):
+            jaxllm.generate([[1, 2, 3]], params, **(kwargs | {"max_num_seqs": 2}))
+        assert jaxllm.llm._shared[0][1] is engine
+        jaxllm.generate([[1, 2, 3]], params, **kwargs)  # the same arguments: the same engine
+        assert jaxllm.llm._shared[0][1] is engine
         # LLM.generate's name of the sampling params
         third = jaxllm.generate(
             [[1, 2, 3]], sampling_params=params, model=str(checkpoint.path), **settings
         )
         assert third[0].token_ids == first[0].token_ids
-        assert jaxllm.llm._shared[0][1] is engine
     finally:
         jaxllm.llm._shared.clear()
 

@@ -125,6 +125,13 @@ def test_a_request_refuses_what_no_run_could_replay(fields, message):
         w.Request(**({"prompt_token_ids": np.array([1, 2]), "max_tokens": 3} | fields))
 
 
+def test_numpy_max_tokens_are_stored_as_ints(tmp_path):
+    request = w.Request(np.arange(1, 5), np.int64(3))
+    assert type(request.max_tokens) is int
+    w.save_trace(tmp_path / "trace.jsonl", [request])  # JSON takes it
+    assert w.load_trace(tmp_path / "trace.jsonl")[0].max_tokens == 3
+
+
 def test_trace_round_trip(tmp_path):
     requests = w.with_poisson_arrivals(w.multi_turn_chat(2, 2, 5, 2, 3), 10.0)
     path = tmp_path / "trace.jsonl"

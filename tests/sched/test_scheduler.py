@@ -7,12 +7,14 @@ KV identities and `check_integrity()` at every step.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from support.sched import Harness, make_scheduler, make_seq
 
 from jaxllm.cache import hash_block
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import SequenceStatus
+from jaxllm.sched.processors import SequenceProcessors
 
 
 def refs(scheduler, count: int) -> list[int]:
@@ -254,6 +256,45 @@ def test_stop_conditions():
         scheduler.update(scheduler.schedule(), [7])
     assert runs["ignore_eos"].finish_reason == "length"
     assert runs["ignore_eos"].num_output_tokens == 5
+
+
+def test_max_tokens_comes_before_a_stop_token():
+    """vLLM's order: a stop token sampled as the last token max_tokens allows ends it by length
+    (its text then stays in the output)."""
+    scheduler = make_scheduler()
+    seq = make_seq(scheduler, 3, max_tokens=2, stop_token_ids=[7])
+    scheduler.update(scheduler.schedule(), [5])
+    assert scheduler.update(scheduler.schedule(), [7]) == [seq]
+    assert (seq.finish_reason, seq.output_token_ids) == ("length", [5, 7])
+
+
+def test_min_tokens_bans_reach_the_device_across_preemption():
+    """The bias row the device holds (the plans' writes and edits replayed) bans the stop
+    tokens exactly while fewer than min_tokens are out, also after a preemption whose
+    recompute ends in chunks that sample nothing."""
+    scheduler = make_scheduler(
+        eos_token_ids=(7,), num_blocks=64, block_size=8, max_num_batched_tokens=16,
+        max_model_len=128, prefill_tile=16, enable_prefix_caching=False,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=40, min_tokens=10, temperature=0)
+    seq = scheduler.new_sequence(list(range(20, 40)), params, processors=SequenceProcessors(256))
+    scheduler.add(seq)
+    device_bans: set[int] = set()
+    for step in range(30):
+        if step == 16:  # 15 tokens out: preempted, recomputed in chunks of 16
+            scheduler.running.remove(seq)
+            scheduler._preempt(seq)
+        plan = scheduler.schedule()
+        processing = plan.processors
+        for write in processing.writes if processing else ():
+            device_bans = set(np.flatnonzero(np.isneginf(write.bias)).tolist())
+        if processing is not None and processing.edits is not None:
+            for token, value in zip(*processing.edits[1:], strict=True):
+                (device_bans.add if np.isneginf(value) else device_bans.discard)(int(token))
+        if plan.samples[0]:
+            assert device_bans == ({7} if seq.num_output_tokens < 10 else set()), step
+        scheduler.update(plan, [5] * plan.bucket.num_sampled)
+    assert seq.num_preemptions == 1 and seq.num_output_tokens > 20
 
 
 def test_finish_and_abort():
