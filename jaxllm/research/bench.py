@@ -10,9 +10,9 @@ token ids and OUT output tokens: `--num-seqs 1 --fixed-lengths 512 512` is one s
 latency a person waits on.
 
 `--workload shared-prefix|multi-turn|prefix-repetition|hot-prefix-scans|trace` runs one of
-`jaxllm.research.workloads` instead (same sampling), and adds time to first token, the prefix
-cache's counters, and the simulator's prediction of them for the engine's exact scheduler
-settings (docs/cache-policies.md).
+`jaxllm.research.workloads` instead (same sampling, each request seeded by its prompt's tokens),
+and adds time to first token, the prefix cache's counters, and the simulator's prediction of
+them for the engine's exact scheduler settings (docs/cache-policies.md).
 """
 
 from __future__ import annotations
@@ -185,13 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs=2,
         metavar=("IN", "OUT"),
-        default=None,
         help="every prompt IN tokens, every output OUT tokens (--num-seqs: default 1)",
     )
     parser.add_argument(
         "--attention",
         choices=ATTENTION_BACKENDS,
-        default=None,
         help=f"attention kernels (sets {ATTENTION_ENV}; default: the platform's choice)",
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -209,13 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-scheduler-steps",
         type=int,
-        default=None,
         help="decode steps per executable when few sequences run (default: the platform's)",
     )
     parser.add_argument(
         "--logprobs",
         type=int,
-        default=None,
         help="every request asks for this many top logprobs per token",
     )
     parser.add_argument(
