@@ -237,8 +237,6 @@ def test_model_files_that_are_not_json_or_name_no_token_ids_are_named(tmp_path):
         eos_token_ids(tokenizer, str(tmp_path))
 
 
-# NOTE: orbax leaves the reads of the other arrays unawaited when one fails.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_an_array_file_cut_short_or_missing_is_a_checkpoint_error(saved, damage):
     path, _, _ = saved
