@@ -64,7 +64,7 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
 def _parse_one(prompt: object, index: int) -> ParsedPrompt:
     """Prompt number `index` of the call (the index is for error messages)."""
     if isinstance(prompt, str):
-        return ParsedPrompt(str(prompt), None)
+        return ParsedPrompt(_text(prompt, index), None)
     if isinstance(prompt, dict):
         return _parse_dict(prompt, index)
     if isinstance(prompt, list | tuple | np.ndarray):
@@ -96,7 +96,18 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     text = prompt[_TEXT_KEY]
     if not isinstance(text, str):
         raise ValueError(f"prompt {index}: '{_TEXT_KEY}' must be a string, got {_described(text)}")
-    return ParsedPrompt(str(text), None)
+    return ParsedPrompt(_text(text, index), None)
+
+
+def _text(text: str, index: int) -> str:
+    """`text` as a plain str, if it is Unicode the tokenizer can encode (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"prompt {index}: not valid Unicode text: {error.reason} at character {error.start}"
+        ) from None
+    return str(text)
 
 
 def _token_ids(tokens: list | tuple | np.ndarray, index: int) -> list[int]:

@@ -55,8 +55,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 def configure_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache, for the process, in `$JAXLLM_COMPILATION_CACHE`
-    (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already; returns
-    the cache's directory (None: no cache, with a warning where the directory cannot be made)."""
+    (default ~/.cache/jaxllm/xla), unless that is "" or the process set a cache already (then a
+    different `$JAXLLM_COMPILATION_CACHE` gets a warning); returns the cache's directory (None:
+    no cache, with a warning where the directory cannot be made)."""
     directory = os.path.expanduser(os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE))
     if directory and not jax.config.jax_compilation_cache_dir:
         try:
@@ -68,6 +69,12 @@ def configure_compilation_cache() -> Path | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cache = jax.config.jax_compilation_cache_dir
+    if COMPILATION_CACHE_ENV in os.environ and directory and cache != directory:
+        logger.warning(
+            "%s=%s is not used: this process's compilation cache is %s already (jax's "
+            "jax_compilation_cache_dir, set by an earlier LLM or by you)",
+            COMPILATION_CACHE_ENV, directory, cache,
+        )  # fmt: skip
     return Path(cache) if cache else None
 
 

@@ -99,6 +99,11 @@ REFUSED = {
     "None": (None, "prompt 0: expected .*got NoneType None"),
     "None in a list": (["a", None], "prompt 1: expected .*got NoneType None"),
     "a float prompt": ([TOKENS, 7.0], "prompt 1: expected a string"),
+    "a lone surrogate": (
+        ["ok", "abc\ud800"],
+        "prompt 1: not valid Unicode text: .* at character 3",
+    ),
+    "a lone surrogate in a TextPrompt": ({"prompt": "\udcff"}, "prompt 0: not valid Unicode"),
 }
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import re
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -278,3 +281,26 @@ def test_other_sampler_variants_and_logprobs_compile_for_the_whole_ladder_on_fir
     # the tokens of an engine that compiles each step's programs as it first needs them
     lazy = LLM(checkpoint.path, **settings | {"compile_at_startup": False})
     assert lazy.generate(prompts[:1], top_k, use_tqdm=False)[0].outputs == second[0].outputs
+
+
+def test_a_dropped_llm_is_freed_with_what_was_alive_when_it_ran(checkpoint):
+    """`del llm` frees the engine (its KV cache and weights), and the objects in reference
+    cycles that were alive while it ran: a notebook re-running `llm = LLM(...)` holds one."""
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    cycle = Cycle()
+    llm = LLM(str(checkpoint.path), **BASE_SETTINGS)
+    llm.generate([[1, 2, 3]], greedy_params(2), use_tqdm=False)
+    engine, cycle_ref = weakref.ref(llm.engine), weakref.ref(cycle)
+    del llm, cycle
+    gc.collect()
+    assert engine() is None and cycle_ref() is None
+
+
+def test_the_progress_bar_ends_on_the_last_step_that_ran(llm, capsys):
+    llm.generate([[1, 2, 3], [4, 5]], greedy_params(6), use_tqdm=True)
+    last = capsys.readouterr().err.rstrip().split("\r")[-1]
+    assert "2/2" in last and re.search(r"(Prefill|Decode): [1-9][\d,]*tok/s", last), last

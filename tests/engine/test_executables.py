@@ -171,3 +171,17 @@ def test_a_cache_directory_that_cannot_be_made_leaves_the_engine_working(tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     assert "tokens 4 None" in run.stdout
     assert "no compilation cache (set JAXLLM_COMPILATION_CACHE)" in run.stderr
+
+
+def test_another_cache_directory_once_one_is_set_gets_a_warning(tmp_path, monkeypatch, caplog):
+    current = startup.configure_compilation_cache()
+    if current is None:
+        pytest.skip("$JAXLLM_COMPILATION_CACHE is empty: JAX's cache is off")
+    monkeypatch.setenv(startup.COMPILATION_CACHE_ENV, str(tmp_path / "another"))
+    with caplog.at_level(logging.WARNING, logger="jaxllm.startup"):
+        assert startup.configure_compilation_cache() == current  # the process's, still
+    assert f"{tmp_path / 'another'} is not used" in caplog.text
+    monkeypatch.setenv(startup.COMPILATION_CACHE_ENV, str(current))
+    caplog.clear()
+    startup.configure_compilation_cache()
+    assert "is not used" not in caplog.text
