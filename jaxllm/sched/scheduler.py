@@ -224,8 +224,8 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
-        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), in
-        vLLM's order: max_tokens, then a stop token (its text unsearched), then a stop string."""
+        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), as
+        vLLM decides: a stop token short of max_tokens (its text unsearched), a stop string."""
         length = seq.num_output_tokens >= seq.max_tokens
         if not length and seq.ends_with_stop_token:
             return "stop"
