@@ -106,8 +106,9 @@ class LLM:
 
     def update_params(self, params: Any, donate: bool = False) -> None:
         """Runs with new weights (a trainer's, say), compiling nothing: a tree like `params` (or
-        Hugging Face names). Arrays placed as the current ones are used as they are, others copied
-        to their devices (`donate`: buffers given up to the copies). Empties the prefix cache.
+        Hugging Face names, cast to the model's dtype). Arrays placed as the current ones are used
+        as they are, others copied to their devices (`donate`: buffers given up to the copies).
+        Empties the prefix cache.
 
         Raises:
             ValueError: another tree structure, shape or dtype, naming the first difference.

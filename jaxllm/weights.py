@@ -26,10 +26,11 @@ def is_hf_named(params: Any) -> bool:
 def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params) -> Params:
     """The param tree (structured as `shapes`) of tensors named as in a Hugging Face Qwen3
     checkpoint, converted with jax.numpy where they are (q/k/v and gate/up fused, linear
-    weights transposed), so arrays on the devices stay there.
+    weights transposed, cast to the model's dtype as a checkpoint is), so arrays on the devices
+    stay there.
 
     Raises:
-        ValueError: a tensor missing, unknown, or of another shape, naming it.
+        ValueError: a tensor missing, unknown, of another shape or not floating, naming it.
     """
     expected = expected_tensors(config, shapes)
     unknown = sorted(set(named) - set(expected) - {TIED_EXTRA})
@@ -47,10 +48,13 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
             raise ValueError(
                 f"{name} is {list(np.shape(array))}; the model's is {list(tensor.hf_shape)}"
             )
-        shape, part = flat_shapes[tensor.param_path].shape, tensor.part
+        if not jnp.issubdtype(jnp.result_type(array), jnp.floating):
+            raise ValueError(f"{name} is {jnp.result_type(array)}; weights are floating point")
+        like, part = flat_shapes[tensor.param_path], tensor.part
+        shape = like.shape
         if part is not None:  # its part of the fused param: `axis` of size part.size
             shape = (*shape[: part.axis], part.size, *shape[part.axis + 1 :])
-        array = tensor.layout.convert(jnp.asarray(array), shape)
+        array = tensor.layout.convert(jnp.asarray(array, like.dtype), shape)
         if part is None:
             tree[tensor.param_path] = array
         else:

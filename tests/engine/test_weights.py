@@ -6,6 +6,7 @@ engine left working."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.engine import BASE_SETTINGS, assert_idle, greedy_params
@@ -169,6 +170,23 @@ def test_update_params_takes_hugging_face_names(fresh_llm, other_checkpoint, gre
     del named["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.up_proj\.weight"):
         fresh_llm.update_params(named)
+
+
+def test_hugging_face_names_are_cast_to_the_models_dtype(fresh_llm, other_checkpoint):
+    """A trainer's bfloat16 state dict runs in a float32 engine, as a bfloat16 checkpoint
+    loads: each tensor cast; integer tensors are refused, named."""
+    state = other_checkpoint.torch_model.state_dict()
+    bf16 = {name: jnp.asarray(tensor.numpy(), jnp.bfloat16) for name, tensor in state.items()}
+    rounded = {name: np.asarray(array, np.float32) for name, array in bf16.items()}
+    fresh_llm.update_params(bf16)
+    from_bf16 = jax.tree.map(np.asarray, fresh_llm.params)
+    fresh_llm.update_params(rounded)
+    assert jax.tree.all(jax.tree.map(np.array_equal, from_bf16, fresh_llm.params))
+    assert {leaf.dtype for leaf in jax.tree.leaves(fresh_llm.params)} == {np.dtype(np.float32)}
+
+    name = "model.norm.weight"
+    with pytest.raises(ValueError, match=rf"{name} is int32; weights are floating point"):
+        fresh_llm.update_params(rounded | {name: np.ones(state[name].shape, np.int32)})
 
 
 def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_llm, monkeypatch):
