@@ -43,18 +43,18 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
     tree: dict[tuple[str, ...], Any] = {}
     fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
     for name, tensor in expected.items():
-        array = named[name]
-        if tuple(np.shape(array)) != tensor.hf_shape:
+        array = jnp.asarray(named[name])
+        if array.shape != tensor.hf_shape:
             raise ValueError(
-                f"{name} is {list(np.shape(array))}; the model's is {list(tensor.hf_shape)}"
+                f"{name} is {list(array.shape)}; the model's is {list(tensor.hf_shape)}"
             )
-        if not jnp.issubdtype(jnp.result_type(array), jnp.floating):
-            raise ValueError(f"{name} is {jnp.result_type(array)}; weights are floating point")
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{name} is {array.dtype}; weights are floating point")
         like, part = flat_shapes[tensor.param_path], tensor.part
         shape = like.shape
         if part is not None:  # its part of the fused param: `axis` of size part.size
             shape = (*shape[: part.axis], part.size, *shape[part.axis + 1 :])
-        array = tensor.layout.convert(jnp.asarray(array, like.dtype), shape)
+        array = tensor.layout.convert(array.astype(like.dtype), shape)
         if part is None:
             tree[tensor.param_path] = array
         else:

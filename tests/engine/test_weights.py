@@ -187,6 +187,10 @@ def test_hugging_face_names_are_cast_to_the_models_dtype(fresh_llm, other_checkp
     name = "model.norm.weight"
     with pytest.raises(ValueError, match=rf"{name} is int32; weights are floating point"):
         fresh_llm.update_params(rounded | {name: np.ones(state[name].shape, np.int32)})
+    fresh_llm.update_params({name: tensor.numpy() for name, tensor in state.items()})
+    from_numpy = jax.tree.map(np.asarray, fresh_llm.params)
+    fresh_llm.update_params(dict(state))  # torch tensors, as a state dict holds them
+    assert jax.tree.all(jax.tree.map(np.array_equal, from_numpy, fresh_llm.params))
 
 
 def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_llm, monkeypatch):
