@@ -85,8 +85,9 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     if stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
     else:  # NOTE: as in vLLM, the stop token that ended it is not in the text
-        stopped = seq.finish_reason == "stop" and seq.ends_with_stop_token
-        tokens = seq.output_token_ids[:-1] if stopped else seq.output_token_ids
+        tokens = seq.output_token_ids
+        if seq.finish_reason == "stop" and seq.stops_at(tokens[-1]):
+            tokens = tokens[:-1]
         text = decode_tokens(token_texts.tokenizer, tokens, seq.params.skip_special_tokens)
     completion = CompletionOutput(
         index=index,

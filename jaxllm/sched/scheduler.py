@@ -227,7 +227,7 @@ class Scheduler:
         """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), as
         vLLM decides: a stop token short of max_tokens (its text unsearched), a stop string."""
         length = seq.num_output_tokens >= seq.max_tokens
-        if not length and seq.ends_with_stop_token:
+        if not length and seq.stops_at(token):
             return "stop"
         # NOTE: the stop strings see every other token, so their text stays whole.
         if seq.stop_strings is not None and seq.stop_strings(token):

@@ -125,11 +125,9 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def ends_with_stop_token(self) -> bool:
-        """Its newest token is a stop token once min_tokens are out (it stops the sequence)."""
-        out = self.num_output_tokens >= max(self.params.min_tokens, 1)
-        return out and self.token_at(self.num_tokens - 1) in self.stop_token_ids
+    def stops_at(self, token: int) -> bool:
+        """Whether `token`, its newest output token, is a stop token once min_tokens are out."""
+        return token in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens
 
     def token_at(self, position: int) -> int:
         """The token at `position`, or 0 for the one still on its way back from the device."""
