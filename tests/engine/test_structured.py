@@ -545,6 +545,25 @@ def test_filtered_constrained_rows_take_one_step_plans(text_llm, speculating_llm
     assert speculation == before
 
 
+def test_free_plans_after_speculative_ones_are_unmasked(text_llm, speculating_llm):
+    """No mask outlives its plan: free rows' multi-step plans after constrained ones (and free
+    rows beside them) sample from every token, as at one step a plan."""
+    digits = StructuredOutputsParams(regex="[0-9]{100}")  # narrow masks to the end
+    constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=digits)
+    free = SamplingParams(temperature=1.0, max_tokens=30, seed=5, ignore_eos=True)
+    speculating_llm.generate(["Answer:"] * 2, constrained, use_tqdm=False)
+    prompts, params = ["Answer:", "Q"], [constrained, free]
+    for several, alone in zip(
+        speculating_llm.generate(prompts, params, use_tqdm=False)
+        + speculating_llm.generate(["Q"], free, use_tqdm=False),
+        text_llm.generate(prompts, params, use_tqdm=False)
+        + text_llm.generate(["Q"], free, use_tqdm=False),
+        strict=True,
+    ):
+        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(speculating_llm)
+
+
 def ready_grammar(speculation):
     """A sequence's grammar of a compiled matcher that does nothing (for `settle`)."""
     from jaxllm.structured import SequenceGrammar
