@@ -86,14 +86,15 @@ def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
             f"params have another tree structure than the model's ({detail or 'other nodes'}); "
             "pass a tree like LLM.params"
         )
-    leaves = []
     for (path, leaf), (_, like) in zip(new_leaves, current_leaves, strict=True):
         shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
-        if shape != like.shape or dtype != like.dtype:
+        if shape != like.shape or dtype != like.dtype:  # NOTE: all checked before any donation
             raise ValueError(
                 f"params{jax.tree_util.keystr(path)} is {dtype}{list(shape)}; the model's is "
                 f"{like.dtype}{list(like.shape)}"
             )
+    leaves = []
+    for (_, leaf), (_, like) in zip(new_leaves, current_leaves, strict=True):
         if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(like.sharding, leaf.ndim):
             leaves.append(leaf)
         else:

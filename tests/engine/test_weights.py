@@ -211,6 +211,20 @@ def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_l
     assert fresh_llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected
 
 
+def test_a_bad_leaf_gives_up_no_donated_array(fresh_llm, other_llm, monkeypatch):
+    """Every leaf is checked before any is placed: a refused tree leaves the caller's arrays
+    alive, donated or not."""
+    elsewhere = jax.devices()[-1]  # not the engine's device: each leaf needs placing
+    moved = jax.tree.map(lambda x: jax.device_put(np.asarray(x), elsewhere), other_llm.params)
+    leaves, structure = jax.tree.flatten(moved)
+    leaves[-1] = leaves[-1].astype(np.float16)
+    calls = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(k) or None)
+    with pytest.raises(ValueError, match="is float16"):
+        fresh_llm.update_params(jax.tree.unflatten(structure, leaves), donate=True)
+    assert calls == []
+
+
 def test_update_and_sleep_right_after_a_request_stopped_on_a_stop_token(
     fresh_llm, other_llm, other_checkpoint, greedy_prompts
 ):
