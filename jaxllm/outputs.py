@@ -76,12 +76,9 @@ class SampleLogprobs(Sequence):
         ids = row[2 : 2 + wanted].astype(np.int64).tolist()
         values = row[2 + num_top : 2 + num_top + wanted].tolist()
         text = self._texts([token, *ids])
-        entries = {
-            i: Logprob(v, rank, text[i])
-            for rank, (i, v) in enumerate(zip(ids, values, strict=True), 1)
-        }
-        if token not in entries:
-            entries[token] = Logprob(float(row[0]), int(row[1]), text[token])
+        entries = {token: Logprob(float(row[0]), int(row[1]), text[token])}  # first, as vLLM's
+        for rank, (i, v) in enumerate(zip(ids, values, strict=True), 1):
+            entries[i] = Logprob(v, rank, text[i])
         return entries
 
     def __eq__(self, other: object) -> bool:

@@ -102,7 +102,7 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
         rows = seq.output_logprobs
         wanted = seq.params.logprobs
         completion.logprobs = _logprobs(seq.output_token_ids, rows, wanted, token_texts)
-        completion.cumulative_logprob = float(sum(row[0] for row in rows))
+        completion.cumulative_logprob = sum(float(row[0]) for row in rows)  # in float64
     return completion
 
 
