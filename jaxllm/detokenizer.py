@@ -126,8 +126,9 @@ class StopStrings:
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
     answers True once a stop string shows in the settled text (`IncrementalDetokenizer`),
     ending after the text of the first `min_tokens` tokens (vLLM's rule); `text` is then the
-    output up to it. No prompt context: the text must equal the output tokens decoded alone (as
-    without stop strings), also when the prompt ends inside a multi-byte character.
+    output up to it (through it with `include_stop_str_in_output`). No prompt context: the
+    text must equal the output tokens decoded alone (as without stop strings), also when the
+    prompt ends inside a multi-byte character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end` and `matched`.
     """
@@ -136,6 +137,7 @@ class StopStrings:
         self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._stops = params.stop
         self._min_tokens = params.min_tokens
+        self._include = params.include_stop_str_in_output
         self._num_tokens = 0
         self.text_end: int | None = None
         self.matched: str | None = None  # the stop string found
@@ -154,10 +156,12 @@ class StopStrings:
         ]
         if not hits:
             return False
-        self.text_end, self.matched = min(hits, key=lambda hit: hit[0])
+        start, self.matched = min(hits, key=lambda hit: hit[0])
+        self.text_end = start + len(self.matched) if self._include else start
         return True
 
     @property
     def text(self) -> str:
-        """The output up to the first stop string found (all of it decoded if none)."""
+        """The output up to the first stop string found, or through it (all of it decoded if
+        none)."""
         return self._detokenizer.text[: self.text_end]

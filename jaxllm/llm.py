@@ -231,7 +231,8 @@ class LLM:
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
         ]
-        hold_back = max(len(stop) for stop in params.stop) - 1 if params.stop else 0
+        stops = () if params.include_stop_str_in_output else params.stop or ()
+        hold_back = max((len(stop) - 1 for stop in stops), default=0)  # what may start one
         sent_tokens, sent_chars = [0] * len(seqs), [0] * len(seqs)
         try:
             with self._lock:

@@ -84,11 +84,11 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
     if stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
-    else:  # NOTE: as in vLLM, the stop token that ended it is not in the text
-        tokens = seq.output_token_ids
+    else:  # NOTE: as in vLLM, the stop token that ended it is not in the text unless asked
+        tokens, params = seq.output_token_ids, seq.params
         if seq.finish_reason == "stop" and seq.stops_at(tokens[-1]):
-            tokens = tokens[:-1]
-        text = decode_tokens(token_texts.tokenizer, tokens, seq.params.skip_special_tokens)
+            tokens = tokens if params.include_stop_str_in_output else tokens[:-1]
+        text = decode_tokens(token_texts.tokenizer, tokens, params.skip_special_tokens)
     completion = CompletionOutput(
         index=index,
         text=text,

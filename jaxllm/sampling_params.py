@@ -118,6 +118,8 @@ class SamplingParams:
         stop: strings that end the output; the text ends before the stop string.
         stop_token_ids: token ids that end the output (kept in `token_ids`, not in the text,
             as eos).
+        include_stop_str_in_output: the text keeps the stop string, or the stop token's
+            text, that ended it (vLLM's meaning); streamed text is then not held back.
         seed: makes this request's samples reproducible, whatever else is in the batch.
             Range [0, 2**64).
         skip_special_tokens: drop special tokens when decoding the text.
@@ -159,6 +161,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
@@ -335,6 +338,7 @@ _CHECKS: dict[str, Check] = {
     "max_tokens": (as_int, lambda n: n >= 1, "None or an integer >= 1"),
     "ignore_eos": (as_bool, lambda _: True, "True or False"),
     "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
+    "include_stop_str_in_output": (as_bool, lambda _: True, "True or False"),
     "stop": _STRINGS,
     "stop_token_ids": (
         lambda ids: _as_tuple(ids, _token_id),

@@ -142,8 +142,9 @@ def test_stop_strings(text_llm, text_continuation):
         seeded(stop=["never in the text", stop]),
         seeded(stop=[stop], min_tokens=completing + 1),
         seeded(stop=[stop], min_tokens=completing),  # it ends in the min_tokens-th token's text
+        seeded(stop=["never in the text", stop], include_stop_str_in_output=True),
     ]
-    outputs = text_llm.generate(["The capital of France is"] * 4, cases, use_tqdm=False)
+    outputs = text_llm.generate(["The capital of France is"] * 5, cases, use_tqdm=False)
 
     for output in outputs[:2]:
         assert output.text == text[:start]
@@ -152,9 +153,14 @@ def test_stop_strings(text_llm, text_continuation):
     # A stop string ending in the text of the first min_tokens tokens does not stop (vLLM's
     # rule); one completed later would.
     later = text.find(stop, start + 1)
-    for output in outputs[2:]:
+    for output in outputs[2:4]:
         assert output.text == (text if later < 0 else text[:later])
         assert len(output.token_ids) > completing
+    kept = outputs[4]
+    assert kept.text == text[: start + len(stop)] and kept.outputs[0].stop_reason == stop
+    assert kept.token_ids == tokens[:completing]
+    deltas = list(text_llm.stream("The capital of France is", cases[4]))
+    assert "".join(delta.text for delta in deltas) == kept.text
     assert_idle(text_llm)
 
 
@@ -176,6 +182,8 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         seeded(stop_token_ids=[tokens[index]], stop=[piece]),
         seeded(**forced_eos),
         seeded(**forced_eos, stop=["<|im_end|>"]),
+        seeded(stop_token_ids=[tokens[index]], include_stop_str_in_output=True),
+        seeded(**forced_eos, include_stop_str_in_output=True),
     ]
     outputs = text_llm.generate(["The capital of France is"] * len(cases), cases, use_tqdm=False)
 
@@ -183,9 +191,13 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         assert output.token_ids == tokens[: index + 1]
         assert output.text == tokenizer.decode(tokens[:index])
         assert output.outputs[0].stop_reason == tokens[index]
-    for output in outputs[2:]:
+    for output in outputs[2:4]:
         assert (output.token_ids, output.text, output.finish_reason) == ([eos], "", "stop")
         assert output.outputs[0].stop_reason is None
+    # include_stop_str_in_output: the stop token's text too (vLLM's meaning)
+    assert outputs[4].token_ids == tokens[: index + 1]
+    assert outputs[4].text == tokenizer.decode(tokens[: index + 1])
+    assert (outputs[5].token_ids, outputs[5].text) == ([eos], "<|im_end|>")
     for params, output in zip(cases, outputs, strict=True):
         deltas = list(text_llm.stream("The capital of France is", params))
         assert "".join(delta.text for delta in deltas) == output.text
