@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+DEFAULT_PROMPT = "The capital of France is"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxllm", description=__doc__)
@@ -13,7 +15,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, help_text in (("generate", "complete prompts"), ("chat", "chat with the model")):
         sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("prompts", nargs="*", help="prompts (chat: one user message each)")
+        sub.set_defaults(error=sub.error)  # errors name the command's usage
+        sub.add_argument(
+            "prompts",
+            nargs="*",
+            help=f"prompts (chat: one user message each); none: {DEFAULT_PROMPT!r}",
+        )
         sub.add_argument("--model", default=None, help="model path, Hub id or random:<shape>")
         sub.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
         sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
@@ -26,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             help="compile every bucket of the ladder first (default: only the buckets these "
             "prompts need, as they come: far quicker for a few prompts)",
         )
-        sub.add_argument("--temperature", type=float, default=0.6)
-        sub.add_argument("--top-p", type=float, default=0.95)
-        sub.add_argument("--max-tokens", type=int, default=64)
+        sub.add_argument("--temperature", type=float, default=0.6, help="default: 0.6")
+        sub.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
+        sub.add_argument("--max-tokens", type=int, default=64, help="default: 64")
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
         constraint = sub.add_mutually_exclusive_group()
@@ -36,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             "--json-schema", metavar="FILE", help="outputs are instances of this JSON schema"
         )
         constraint.add_argument("--regex", help="outputs match this regular expression")
-        constraint.add_argument("--choice", nargs="+", help="outputs are one of these")
+        constraint.add_argument(
+            "--choice", nargs="+", help="outputs are one of these (after the prompts)"
+        )
         sub.add_argument(
             "--disable-any-whitespace",
             action="store_true",
@@ -51,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     args = parser.parse_args(argv)
+    if args.choice and not args.prompts:  # NOTE: --choice's values run to the next flag
+        args.error("no prompt: put the prompts before --choice")
     if args.disable_any_whitespace and args.json_schema is None:
-        parser.error("--disable-any-whitespace applies to --json-schema only")
+        args.error("--disable-any-whitespace applies to --json-schema only")
 
     from jaxllm import structured as grammars
     from jaxllm.llm import LLM
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             structured_outputs=structured,
         )
     except (ImportError, OSError, ValueError) as error:
-        parser.error(str(error))
+        args.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
     for setting in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, setting) is not None:
@@ -87,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, **kwargs)
     except (OSError, TypeError, ValueError) as error:  # a flag out of range, a missing model
-        parser.error(str(error))
-    prompts = args.prompts or ["The capital of France is"]
+        args.error(str(error))
+    prompts = args.prompts or [DEFAULT_PROMPT]
     # NOTE: what the engine refuses, it refuses before any work (a prompt too long).
     try:
         if args.command == "generate":
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
             outputs = llm.chat(conversations, params, enable_thinking=args.enable_thinking)
     except (ImportError, ValueError) as error:
-        parser.error(str(error))
+        args.error(str(error))
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")
@@ -105,4 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        sys.exit(130)

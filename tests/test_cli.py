@@ -1,4 +1,4 @@
-"""`python -m jaxllm generate|chat|bench`, run in-process on the embedded random qwen3-tiny.
+"""`python -m jaxllm generate|chat`, run in-process on the embedded random qwen3-tiny.
 
 The README's main job is `python -m jaxllm generate "The capital of France is"`; these tests run
 the same code with a smaller ladder (fewer buckets to compile) and fewer tokens.
@@ -135,6 +135,18 @@ def test_bad_constraints_exit_with_the_reason_before_the_engine_starts(
         main(["generate", "A", *SMALL, *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_prompts_after_choice_are_refused_not_taken_as_choices(capsys, monkeypatch):
+    """--choice's values run to the next flag: a prompt after them would be one more choice,
+    and the default prompt would run. Refused, with the command's usage."""
+    monkeypatch.setattr("jaxllm.llm.LLM", engine_must_not_start)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *SMALL, "--choice", "yes", "no", "Is the sky blue?"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "put the prompts before --choice" in error
+    assert error.startswith("usage: python -m jaxllm generate")
 
 
 def engine_must_not_start(*args, **kwargs):
