@@ -209,17 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="decode steps per executable when few sequences run (default: the platform's)",
     )
-    parser.add_argument(
-        "--logprobs",
-        type=int,
-        help="every request asks for this many top logprobs per token",
-    )
-    parser.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="every request's repetition_penalty (1: off)",
-    )
+    parser.add_argument("--logprobs", type=int, help="every request's logprobs (top tokens)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
     parser.add_argument(
         "--json-schema",
         nargs="?",
@@ -241,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeat takes a positive count, and more than 1 only with --fixed-lengths")
     if args.num_seqs is not None and args.num_seqs < 1:
         parser.error("--num-seqs must be at least 1")
+    if args.fixed_lengths and min(args.fixed_lengths) < 1:
+        parser.error("--fixed-lengths takes two lengths of at least 1 token")
     if args.workload and (args.num_seqs is not None or args.request_rate is not None):
         parser.error("--num-seqs and --request-rate do not apply to a --workload: it runs whole")
     requests = None
@@ -282,50 +275,53 @@ def main(argv: list[str] | None = None) -> int:
     max_in = args.max_input_len or max_in
     max_out = args.max_output_len or max_out
     if requests:
-        longest = max(r.num_prompt_tokens + r.max_tokens for r in requests)
-        engine_kwargs["max_model_len"] = max(engine_kwargs.get("max_model_len", 4096), longest)
         prompts = [r.prompt_token_ids.tolist() for r in requests]
         max_tokens = [r.max_tokens for r in requests]
         num_seqs = len(requests)
     elif args.fixed_lengths:
         num_seqs = args.num_seqs or 1
         prompts, max_tokens = fixed_workload(num_seqs, *args.fixed_lengths)
-        engine_kwargs["max_model_len"] = max(4096, sum(args.fixed_lengths))
     else:
         prompts, max_tokens = workload(num_seqs, max_in, max_out)
+    longest = max(len(prompt) + n for prompt, n in zip(prompts, max_tokens, strict=True))
+    if longest > engine_kwargs.get("max_model_len", 4096):  # else the engine's default
+        engine_kwargs["max_model_len"] = longest
     if args.block_size:
         engine_kwargs["kvcache_block_size"] = args.block_size
 
-    llm = LLM(
-        model,
-        tensor_parallel_size=args.tp,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_kvcache_blocks=args.num_kvcache_blocks,
-        eviction_policy=args.eviction_policy,
-        compile_at_startup=args.compile_at_startup,
-        num_scheduler_steps=args.num_scheduler_steps,
-        **engine_kwargs,
-    )
-    startup_s = time.perf_counter() - start
     # NOTE: a workload's identical prompts sample identical outputs (seeded by their tokens), as
     # the simulator, whose predictions the record holds, assumes.
     seeds = [None] * len(prompts)
     if requests:
         seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
-    params = [
-        SamplingParams(
-            temperature=0.6,
-            ignore_eos=True,
-            max_tokens=n,
-            seed=seed,
-            logprobs=args.logprobs,
-            repetition_penalty=args.repetition_penalty,
-            structured_outputs=StructuredOutputsParams(json=SCHEMAS[args.json_schema])
-            if args.json_schema
-            else None,
+    schema = SCHEMAS[args.json_schema] if args.json_schema else None
+    try:  # what the flags alone decide is refused before the engine starts
+        structured = None if schema is None else StructuredOutputsParams(json=schema)
+        params = [
+            SamplingParams(
+                temperature=0.6,
+                ignore_eos=True,
+                max_tokens=n,
+                seed=seed,
+                logprobs=args.logprobs,
+                repetition_penalty=args.repetition_penalty,
+                structured_outputs=structured,
+            )
+            for n, seed in zip(max_tokens, seeds, strict=True)
+        ]
+        llm = LLM(
+            model,
+            tensor_parallel_size=args.tp,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_kvcache_blocks=args.num_kvcache_blocks,
+            eviction_policy=args.eviction_policy,
+            compile_at_startup=args.compile_at_startup,
+            num_scheduler_steps=args.num_scheduler_steps,
+            **engine_kwargs,
         )
-        for n, seed in zip(max_tokens, seeds, strict=True)
-    ]
+    except (OSError, TypeError, ValueError) as error:  # a value out of range, a missing model
+        parser.error(str(error))
+    startup_s = time.perf_counter() - start
     # NOTE: a workload's warm-up leaves no block in the prefix cache (3 + 1 tokens), so the
     # run starts from the state the simulator assumes.
     warmup_tokens = 1 if requests else SamplingParams().max_tokens

@@ -62,6 +62,21 @@ def test_bench_repeat_records_the_median_run(tmp_path, capsys):
     assert record["output_tokens"] == 8 and record["num_seqs"] == 1
 
 
+def test_bench_fits_the_models_positions(tmp_path, capsys):
+    """A model of 512 positions runs fixed lengths at the default max_model_len (at most the
+    model's): only longer requests raise it."""
+    from support.hf import save_checkpoint
+
+    model = save_checkpoint(tmp_path / "model", vocab_size=151936, tied=True).path  # Qwen's ids
+    path = tmp_path / "bench.json"
+    argv = ["--model", str(model), "--no-compile-at-startup", "--json", str(path)]
+    assert main([*argv, "--fixed-lengths", "16", "8"]) == 0
+    assert json.loads(path.read_text())["output_tokens"] == 8
+    with pytest.raises(SystemExit):
+        main([*argv, "--fixed-lengths", "500", "100"])
+    assert "max_model_len=600 is more than" in capsys.readouterr().err
+
+
 def test_bench_repeat_needs_fixed_lengths(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--repeat", "2"])
@@ -77,6 +92,11 @@ def test_bench_repeat_needs_fixed_lengths(capsys):
         (["--workload", "prefix-repetition", "--request-rate", "2"], "do not apply"),
         (["--eviction-policy", "bogus"], "invalid choice: 'bogus'"),
         (["--workload", "shared-prefix", "--groups", "0"], "the workload has no requests"),
+        (["--fixed-lengths", "0", "4"], "two lengths of at least 1 token"),
+        (["--logprobs", "-1"], "SamplingParams.logprobs must be"),
+        (["--tp", "3"], "tensor_parallel_size must be 1, 2, 4 or 8"),
+        (["--block-size", "7"], "kvcache_block_size must be"),
+        (["--model", "no/such/dir"], "does not exist"),
     ],
 )
 def test_bench_refuses_flags_it_would_ignore_or_trip_on(argv, message, capsys):
