@@ -117,8 +117,16 @@ class Platform:
         "auto": on an NVIDIA GPU jaxllm's Pallas decode kernel (measured fastest end to end on
         an H200) where it has a tile for the layout, else FA3 where it runs, with FA3 prefill
         where it runs; the portable attention elsewhere.
+
+        Raises:
+            ValueError: "flash" where FlashAttention-3 does not run.
         """
         backend = self.attention_backend
+        if backend == "flash" and not self.flash_attention:
+            raise ValueError(
+                f"{ATTENTION_ENV}=flash needs FlashAttention-3: a Hopper GPU and the "
+                'flash-attn3-jax package (pip install "jaxllm[hopper]")'
+            )
         if backend == "auto":
             pallas = self.nvidia and decode_attention.tile_rows(block_size, kv_heads_per_device)
             backend = "pallas" if pallas else "flash" if self.flash_attention else "reference"

@@ -46,14 +46,17 @@ def test_auto_picks_the_pallas_kernel_on_nvidia_gpus_where_it_has_a_tile(
     assert platform.kernels(block_size, kv_heads) == expected
 
 
-def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu():
+def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu_or_refused():
     assert CPU.replace(attention_backend="pallas").kernels(256, 8) == Kernels(
         "reference", "pallas", interpret=True
     )
     assert H200.replace(attention_backend="reference").kernels(256, 8) == Kernels(**NVIDIA)
-    assert H200_WITHOUT_FA3.replace(attention_backend="flash").kernels(256, 8) == Kernels(
+    assert H200.replace(attention_backend="flash").kernels(256, 8) == Kernels(
         "flash", "flash", **NVIDIA
     )
+    for platform in (H200_WITHOUT_FA3, CPU):  # refused at start-up, not at the first step
+        with pytest.raises(ValueError, match=r"=flash needs FlashAttention-3.*flash-attn3-jax"):
+            platform.replace(attention_backend="flash").kernels(256, 8)
 
 
 def test_cublas_takes_the_matmuls_of_large_steps_on_nvidia_gpus_only():
