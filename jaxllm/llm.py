@@ -263,7 +263,7 @@ class LLM:
                     if not tokens:
                         continue
                     sent_tokens[i] += len(tokens)
-                    detokenizers[i].step(tokens)
+                    detokenizers[i].step(tokens if params.detokenize else [])
                     text = detokenizers[i].text
                     visible = max(sent_chars[i], len(text) - hold_back)
                     delta, sent_chars[i] = text[sent_chars[i] : visible], visible

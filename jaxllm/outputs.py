@@ -32,12 +32,12 @@ class Logprob(NamedTuple):
     Attributes:
         logprob: log-softmax of the model's raw logits (before temperature and filters).
         rank: 1 + the number of tokens the model found more likely.
-        decoded_token: the token decoded alone.
+        decoded_token: the token decoded alone; None with `SamplingParams.detokenize` off.
     """
 
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None
 
 
 class SampleLogprobs(Sequence):

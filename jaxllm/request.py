@@ -77,12 +77,15 @@ def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs |
     if wanted is None:
         return None
     tokens = seq.prompt_token_ids[1:]
-    return [None, *_logprobs(tokens, seq.prompt_logprobs[: len(tokens)], wanted, token_texts)]
+    rows = seq.prompt_logprobs[: len(tokens)]
+    return [None, *_logprobs(tokens, rows, wanted, token_texts, seq.params.detokenize)]
 
 
 def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> CompletionOutput:
     stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
-    if stop_strings is not None and stop_strings.text_end is not None:
+    if not seq.params.detokenize:
+        text = ""
+    elif stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
     else:  # NOTE: as in vLLM, the stop token that ended it is not in the text unless asked
         tokens, params = seq.output_token_ids, seq.params
@@ -101,7 +104,9 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     if seq.params.logprobs is not None:
         rows = seq.output_logprobs
         wanted = seq.params.logprobs
-        completion.logprobs = _logprobs(seq.output_token_ids, rows, wanted, token_texts)
+        completion.logprobs = _logprobs(
+            seq.output_token_ids, rows, wanted, token_texts, seq.params.detokenize
+        )
         completion.cumulative_logprob = sum(float(row[0]) for row in rows)  # in float64
     return completion
 
@@ -117,9 +122,14 @@ def _stop_reason(seq: Sequence, stop_strings: StopStrings | None) -> str | int |
 
 
 def _logprobs(
-    tokens: list[int], rows: list[np.ndarray], wanted: int, token_texts: TokenTexts
+    tokens: list[int],
+    rows: list[np.ndarray],
+    wanted: int,
+    token_texts: TokenTexts,
+    detokenize: bool = True,
 ) -> SampleLogprobs:
     """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
     of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
     table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
-    return SampleLogprobs(list(tokens), table, wanted, token_texts)
+    texts = token_texts if detokenize else dict.fromkeys  # NOTE: None for each token
+    return SampleLogprobs(list(tokens), table, wanted, texts)

@@ -123,6 +123,8 @@ class SamplingParams:
         seed: makes this request's samples reproducible, whatever else is in the batch.
             Range [0, 2**64).
         skip_special_tokens: drop special tokens when decoding the text.
+        detokenize: False leaves the text empty and logprobs' tokens unnamed (decoded_token
+            None), as in vLLM; stop strings need the text.
         n: completions of the prompt; each draws from a stream of its own (seeded: the seed of
             completion i is seed + i).
         logprobs: return each generated token's log-probability and those of the `logprobs`
@@ -164,6 +166,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -190,6 +193,8 @@ class SamplingParams:
                 f"{self.max_tokens}], got {shown(self.min_tokens)}"
             )
         object.__setattr__(self, "min_tokens", min_tokens)
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are text")
 
     @property
     def processes_logits(self) -> bool:
@@ -338,6 +343,7 @@ _CHECKS: dict[str, Check] = {
     "max_tokens": (as_int, lambda n: n >= 1, "None or an integer >= 1"),
     "ignore_eos": (as_bool, lambda _: True, "True or False"),
     "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
+    "detokenize": (as_bool, lambda _: True, "True or False"),
     "include_stop_str_in_output": (as_bool, lambda _: True, "True or False"),
     "stop": _STRINGS,
     "stop_token_ids": (

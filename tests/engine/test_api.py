@@ -53,6 +53,26 @@ def test_stream_equals_generate(text_llm, params):
     assert_idle(text_llm)
 
 
+def test_detokenize_off_leaves_the_text_empty_and_the_tokens_unnamed(text_llm):
+    """vLLM's detokenize=False: the same tokens and logprobs, no text anywhere."""
+    fields = dict(temperature=1.0, seed=3, max_tokens=12, logprobs=2, prompt_logprobs=1)
+    (named,) = text_llm.generate([PROMPT], SamplingParams(**fields), use_tqdm=False)
+    plain = SamplingParams(**fields, detokenize=False)
+    (output,) = text_llm.generate([PROMPT], plain, use_tqdm=False)
+
+    assert output.token_ids == named.token_ids and named.text and output.text == ""
+    for entries, named_entries in zip(
+        list(output.outputs[0].logprobs) + output.prompt_logprobs[1:],
+        list(named.outputs[0].logprobs) + named.prompt_logprobs[1:],
+        strict=True,
+    ):
+        assert entries == {i: e._replace(decoded_token=None) for i, e in named_entries.items()}
+    assert joined(text_llm.stream(PROMPT, plain)) == ("", output.token_ids)
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop needs detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert_idle(text_llm)
+
+
 def test_stream_holds_back_a_stop_string(text_llm):
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     (full,) = text_llm.generate([PROMPT], seeded, use_tqdm=False)
