@@ -33,6 +33,8 @@ class Engine:
         runner: the device side: params, KV cache, executables.
         tokenizer: decodes outputs and finds stop strings.
         startup_seconds: the seconds of each start-up phase.
+        default_sampling_params: what a call without sampling params samples with (the
+            model's generation config, `startup.default_sampling_params`).
 
     Mutates: the scheduler's queues and block pool, the runner's KV cache, its request records.
     """
@@ -44,8 +46,10 @@ class Engine:
         runner: ModelRunner,
         tokenizer,
         startup_seconds: dict,
+        default_sampling_params: SamplingParams | None = None,
     ) -> None:
         self.config = config
+        self.default_sampling_params = default_sampling_params or SamplingParams()
         self.scheduler = scheduler
         self.runner = runner
         self.compiled_at_startup = runner.num_compiled

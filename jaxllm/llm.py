@@ -24,7 +24,7 @@ from jaxllm.platform import Platform
 from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts
 from jaxllm.request import Request
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
-from jaxllm.startup import start_engine
+from jaxllm.startup import check_model, generation_fields, start_engine
 
 Message = dict[str, Any]
 
@@ -51,7 +51,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         kwargs = EngineConfig.check_kwargs(kwargs)
-        _check_model(model)
+        check_model(model)
         gc.collect()  # NOTE: engines dropped before free their device memory first
         platform = Platform.detect()
         if model is None:
@@ -99,6 +99,11 @@ class LLM:
         """XLA executables built in this process since this engine finished starting."""
         return self.engine.runner.num_compiled - self.engine.compiled_at_startup
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What calls without sampling params sample with: the model's generation_config.json
+        over SamplingParams() (vLLM's rule, `startup.default_sampling_params`)."""
+        return self.engine.default_sampling_params
+
     @property
     def params(self) -> Any:
         """The weights run (jax arrays; q/k/v, gate/up fused); None after sleep(level=2)."""
@@ -133,7 +138,7 @@ class LLM:
     def save(self, path: str | Path, overwrite: bool = False) -> None:
         """Saves the model as a directory that `LLM(path)` loads back, verifying it: the params
         (orbax) with their config and checksums, the tokenizer, and a generation_config.json of
-        the eos ids it stops at.
+        the eos ids it stops at and its default sampling settings.
 
         All of it is written beside `path` and moved in at the end, so an error or Ctrl-C
         leaves `path` as it was. `overwrite=True` lets it write into a non-empty directory,
@@ -145,11 +150,12 @@ class LLM:
         """
         from jaxllm.model.checkpoint import save_model
 
-        eos = list(self.engine.scheduler.config.eos_token_ids)
+        generation = generation_fields(self.engine.default_sampling_params)
+        generation["eos_token_id"] = list(self.engine.scheduler.config.eos_token_ids)
         with self._lock:
             if self.params is None:
                 raise RuntimeError("no weights to save: sleep(level=2) dropped them")
-            save_model(path, self.model_config, self.params, self.tokenizer, eos, overwrite)
+            save_model(path, self.model_config, self.params, self.tokenizer, generation, overwrite)
 
     def generate(
         self,
@@ -305,7 +311,8 @@ class LLM:
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt, unseeded ones given a derived seed."""
-        params = one_per_prompt(sampling_params, count)
+        default = self.get_default_sampling_params()
+        params = one_per_prompt(default if sampling_params is None else sampling_params, count)
         # NOTE: requests without a seed of their own still get a stream of their own.
         for index, param in enumerate(params):
             if param.seed is None:
@@ -320,9 +327,8 @@ class LLM:
         pending = set(ids)
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        # NOTE: what lives now (the engine, jax, the caller's objects) is frozen for the call:
-        # the collector's full passes while outputs pile up skip it. Frozen for the LLM's life,
-        # an engine dropped in a cycle was never freed.
+        # NOTE: what lives now (the engine, jax, the caller's objects) is frozen for the call
+        # only: the collector's passes as outputs pile up skip it; a dropped engine is freed.
         gc.freeze()
         try:
             for request in requests:
@@ -350,16 +356,6 @@ class LLM:
             gc.unfreeze()
         self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]
-
-
-def _check_model(model: object) -> None:
-    if model is not None and not isinstance(model, str | os.PathLike):
-        raise TypeError(f"model must be a path, a Hub id or None, got {type(model).__name__}")
-    if model is not None and not os.fspath(model):
-        raise ValueError(
-            "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
-            "or None (the embedded default)"
-        )
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
@@ -393,7 +389,7 @@ def generate(
         key = (model, tuple(sorted(engine_kwargs.items())))
         if not _shared or _shared[0][0] != key:
             engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
-            _check_model(model)
+            check_model(model)
             _shared.clear()
             _shared.append((key, LLM(model, **engine_kwargs)))
         llm = _shared[0][1]

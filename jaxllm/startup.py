@@ -40,6 +40,7 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder, Scheduler, SchedulerConfig
 from jaxllm.tokenizer import load_tokenizer
 
@@ -76,6 +77,22 @@ def configure_compilation_cache() -> Path | None:
             COMPILATION_CACHE_ENV, directory, cache,
         )  # fmt: skip
     return Path(cache) if cache else None
+
+
+def check_model(model: object) -> None:
+    """Refuses what `LLM`'s model argument cannot be, before any work.
+
+    Raises:
+        TypeError: not a path, a string or None.
+        ValueError: an empty string.
+    """
+    if model is not None and not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be a path, a Hub id or None, got {type(model).__name__}")
+    if model is not None and not os.fspath(model):
+        raise ValueError(
+            "model is an empty string: pass a model directory, a Hub id, 'random:<shape>' "
+            "or None (the embedded default)"
+        )
 
 
 def resolve_model(model: str) -> str:
@@ -117,6 +134,49 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
             raise ValueError(f"{generation_config}: eos_token_id must be token ids, got {eos}")
         ids.update(eos)
     return tuple(sorted(ids))
+
+
+# generation_config.json's sampling fields that vLLM takes as a model's defaults, and their
+# SamplingParams names.
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def default_sampling_params(model_path: str) -> SamplingParams:
+    """SamplingParams() with the sampling fields of the model's generation_config.json over
+    its defaults, as vLLM takes them (`GENERATION_DEFAULTS`).
+
+    Raises:
+        ValueError: a value SamplingParams refuses, naming the file.
+    """
+    path = Path(model_path) / "generation_config.json"
+    found = read_json(path) if path.is_file() else {}
+    fields = {
+        ours: found[theirs]
+        for theirs, ours in GENERATION_DEFAULTS.items()
+        if found.get(theirs) is not None
+    }
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def generation_fields(params: SamplingParams) -> dict[str, Any]:
+    """The generation_config.json fields that `default_sampling_params` reads back as
+    `params` (those that differ from SamplingParams()'s)."""
+    plain = SamplingParams()
+    return {
+        theirs: getattr(params, ours)
+        for theirs, ours in GENERATION_DEFAULTS.items()
+        if getattr(params, ours) != getattr(plain, ours)
+    }
 
 
 @contextlib.contextmanager
@@ -186,6 +246,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     is_random = path.startswith(RANDOM_PREFIX)
+    defaults = SamplingParams() if is_random else default_sampling_params(path)
     # NOTE: the device's memory before this engine's weights (the KV cache is sized from it)
     memory = jax.local_devices()[0].memory_stats() or {}
     params_bytes = param_bytes(model_config, config.tensor_parallel_size)
@@ -269,7 +330,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         settings, num_blocks=num_blocks, eos_token_ids=tuple(int(t) for t in eos if t is not None)
     )
     scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
-    return Engine(config, scheduler, runner, tokenizer, seconds)
+    return Engine(config, scheduler, runner, tokenizer, seconds, defaults)
 
 
 def _resolved(value: Any) -> concurrent.futures.Future:

@@ -105,16 +105,16 @@ def save_model(
     config: Qwen3Config,
     params: Params,
     tokenizer: Any,
-    eos_token_ids: list[int],
+    generation_config: dict[str, Any],
     overwrite: bool = False,
 ) -> None:
-    """A directory that loads back as the model (`LLM.save`): written beside `path`, moved
-    in at the end (`atomic_directory`)."""
+    """A directory that loads back as the model (`LLM.save`), `generation_config` its
+    generation_config.json: written beside `path`, moved in at the end (`atomic_directory`)."""
     with atomic_directory(path, overwrite=overwrite) as staging:
         save_params(staging, config, params)
         tokenizer.save_pretrained(staging)
         (staging / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": eos_token_ids}, indent=2) + "\n"
+            json.dumps(generation_config, indent=2) + "\n"
         )
 
 

@@ -120,6 +120,30 @@ def test_eos_from_generation_config(checkpoint, continuation, tmp_path):
     assert_idle(llm)
 
 
+def test_sampling_defaults_from_generation_config(checkpoint, continuation, tmp_path):
+    """vLLM's rule: a call without sampling params samples with the model's
+    generation_config.json over SamplingParams() (max_new_tokens as max_tokens); LLM.save
+    keeps them; a value SamplingParams refuses is refused at start-up, naming the file."""
+    fields = {"temperature": 0.0, "top_k": 20, "max_new_tokens": 5, "do_sample": True}
+    path = checkpoint.with_generation_config(tmp_path / "defaults", **fields)
+    llm = LLM(str(path), **BASE_SETTINGS)
+    expected = SamplingParams(temperature=0.0, top_k=20, max_tokens=5)
+    assert llm.get_default_sampling_params() == expected
+    (output,) = llm.generate([PROMPT], use_tqdm=False)
+    (explicit,) = llm.generate([PROMPT], expected, use_tqdm=False)
+    assert output.token_ids == explicit.token_ids == continuation[: len(output.token_ids)]
+    assert len(output.token_ids) == 5 or output.finish_reason == "stop"
+
+    llm.save(tmp_path / "saved")
+    assert LLM(str(tmp_path / "saved"), **BASE_SETTINGS).get_default_sampling_params() == expected
+    assert LLM(str(checkpoint.path), **BASE_SETTINGS).get_default_sampling_params() == (
+        SamplingParams()
+    )
+    path = checkpoint.with_generation_config(tmp_path / "bad", temperature=-1.0)
+    with pytest.raises(ValueError, match=r"generation_config\.json: SamplingParams\.temperature"):
+        LLM(str(path), **BASE_SETTINGS)
+
+
 @pytest.fixture(scope="module")
 def text_continuation(text_llm):
     (output,) = text_llm.generate(["The capital of France is"], seeded(), use_tqdm=False)
