@@ -10,6 +10,14 @@ DEFAULT_PROMPT = "The capital of France is"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit status: 2 for a usage error, 130 after Ctrl-C (no traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxllm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -19,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument(
             "prompts",
             nargs="*",
-            help=f"prompts (chat: one user message each); none: {DEFAULT_PROMPT!r}",
+            help=f"prompts (chat: one user message each; before --choice, which needs one); "
+            f"none: {DEFAULT_PROMPT!r}",
         )
         sub.add_argument("--model", default=None, help="model path, Hub id or random:<shape>")
         sub.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
@@ -33,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             help="compile every bucket of the ladder first (default: only the buckets these "
             "prompts need, as they come: far quicker for a few prompts)",
         )
-        sub.add_argument("--temperature", type=float, default=0.6, help="default: 0.6")
-        sub.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
-        sub.add_argument("--max-tokens", type=int, default=64, help="default: 64")
+        sub.add_argument("--temperature", type=float, default=0.6, help="default: %(default)s")
+        sub.add_argument("--top-p", type=float, default=0.95, help="default: %(default)s")
+        sub.add_argument("--max-tokens", type=int, default=64, help="default: %(default)s")
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
         constraint = sub.add_mutually_exclusive_group()
@@ -116,7 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C: no traceback
-        sys.exit(130)
+    sys.exit(main())

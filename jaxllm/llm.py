@@ -101,7 +101,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What calls without sampling params sample with: the model's generation_config.json
-        over SamplingParams() (vLLM's rule, `startup.default_sampling_params`)."""
+        over SamplingParams() (vLLM's rule, `startup.default_sampling_params`). Frozen: change
+        it with `dataclasses.replace(llm.get_default_sampling_params(), max_tokens=...)`."""
         return self.engine.default_sampling_params
 
     @property
@@ -169,8 +170,8 @@ class LLM:
             prompts: one prompt or a list (any ordered iterable) of them; a prompt is a
                 string, token ids (a list or 1-d integer array), or vLLM's {"prompt": text} or
                 {"prompt_token_ids": ids} (`jaxllm.prompts`).
-            sampling_params: one SamplingParams for all (default `SamplingParams()`), or one
-                per prompt.
+            sampling_params: one SamplingParams for all (default: the model's,
+                `get_default_sampling_params()`), or one per prompt.
             use_tqdm: show a progress bar with prefill and decode tokens/s.
 
         Raises:
@@ -219,8 +220,8 @@ class LLM:
         The text deltas of completion `index` concatenate to its final text and the token
         deltas to its token ids (with n = 1, the `RequestOutput`'s `text` and `token_ids`).
         With stop strings, the last (longest stop string - 1) characters are held back until
-        they cannot start a stop string. The request is queued at the first `next()`; closing
-        the iterator early aborts it.
+        they cannot start a stop string (unless `include_stop_str_in_output`). The request is
+        queued at the first `next()`; closing the iterator early aborts it.
 
         Raises:
             ValueError: as `generate` does, at once (before anything runs).

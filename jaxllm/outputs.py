@@ -54,7 +54,7 @@ class SampleLogprobs(Sequence):
         tokens: list[int],
         rows: np.ndarray,
         wanted: int,
-        texts: Callable[[list[int]], Mapping[int, str]],
+        texts: Callable[[list[int]], Mapping[int, str | None]],
     ) -> None:
         self._tokens, self._rows, self._wanted, self._texts = tokens, rows, wanted, texts
         self._entries: list[dict[int, Logprob] | None] = [None] * len(tokens)
@@ -103,7 +103,8 @@ class CompletionOutput:
 
     Attributes:
         index: the completion's index among the request's `n`.
-        text: the generated text (`token_ids` decoded), ending before any stop string.
+        text: the generated text (`token_ids` decoded), ending before any stop string or
+            stop token unless `include_stop_str_in_output`; "" without `detokenize`.
         token_ids: the generated token ids; a stop token is kept, and so is the token that
             completed a stop string.
         cumulative_logprob: the sum of the generated tokens' logprobs; None unless the request

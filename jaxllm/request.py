@@ -107,7 +107,7 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
         completion.logprobs = _logprobs(
             seq.output_token_ids, rows, wanted, token_texts, seq.params.detokenize
         )
-        completion.cumulative_logprob = sum(float(row[0]) for row in rows)  # in float64
+        completion.cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
     return completion
 
 
@@ -131,5 +131,5 @@ def _logprobs(
     """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
     of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
     table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
-    texts = token_texts if detokenize else dict.fromkeys  # NOTE: None for each token
+    texts = token_texts if detokenize else dict.fromkeys  # each token's text None, as vLLM's
     return SampleLogprobs(list(tokens), table, wanted, texts)

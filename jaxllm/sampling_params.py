@@ -115,7 +115,8 @@ class SamplingParams:
             the text, until this many tokens are out (vLLM's meaning; with ignore_eos, eos is
             not banned, where vLLM bans the model's).
         ignore_eos: keep generating after the eos token (still stops at max_tokens).
-        stop: strings that end the output; the text ends before the stop string.
+        stop: strings that end the output; the text ends before the stop string (unless
+            include_stop_str_in_output).
         stop_token_ids: token ids that end the output (kept in `token_ids`, not in the text,
             as eos).
         include_stop_str_in_output: the text keeps the stop string, or the stop token's

@@ -121,30 +121,37 @@ def resolve_model(model: str) -> str:
         ) from error
 
 
+def generation_config(model_path: str) -> tuple[Path, dict[str, Any]]:
+    """The model's generation_config.json and its fields ({} without one).
+
+    Raises:
+        ValueError: not a JSON object, naming the file.
+    """
+    path = Path(model_path) / "generation_config.json"
+    found = read_json(path) if path.is_file() else {}
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(found).__name__}")
+    return path, found
+
+
 def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
     """The tokenizer's eos plus those of the model's generation_config.json."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_config = Path(model_path) / "generation_config.json"
-    if generation_config.is_file():
-        eos = read_json(generation_config).get("eos_token_id")
-        eos = [eos] if isinstance(eos, int) else eos or []
-        if not all(isinstance(token, int) for token in eos):
-            raise ValueError(f"{generation_config}: eos_token_id must be token ids, got {eos}")
-        ids.update(eos)
+    path, found = generation_config(model_path)
+    eos = found.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos or []
+    if not all(isinstance(token, int) for token in eos):
+        raise ValueError(f"{path}: eos_token_id must be token ids, got {eos}")
+    ids.update(eos)
     return tuple(sorted(ids))
 
 
-# generation_config.json's sampling fields that vLLM takes as a model's defaults, and their
+# generation_config.json's sampling fields that vLLM takes as a model's defaults -> their
 # SamplingParams names.
-GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
+GENERATION_DEFAULTS = {"max_new_tokens": "max_tokens"} | {
+    name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 }
 
 
@@ -155,13 +162,11 @@ def default_sampling_params(model_path: str) -> SamplingParams:
     Raises:
         ValueError: a value SamplingParams refuses, naming the file.
     """
-    path = Path(model_path) / "generation_config.json"
-    found = read_json(path) if path.is_file() else {}
-    fields = {
-        ours: found[theirs]
-        for theirs, ours in GENERATION_DEFAULTS.items()
-        if found.get(theirs) is not None
-    }
+    path, found = generation_config(model_path)
+    given = {name: value for name, value in found.items() if value is not None}
+    fields = {ours: given[name] for name, ours in GENERATION_DEFAULTS.items() if name in given}
+    if fields:  # NOTE: as vLLM, said once: calls without sampling params sample differently
+        logger.info("sampling defaults from %s: %s", path, fields)
     try:
         return SamplingParams(**fields)
     except ValueError as error:

@@ -149,6 +149,16 @@ def test_prompts_after_choice_are_refused_not_taken_as_choices(capsys, monkeypat
     assert error.startswith("usage: python -m jaxllm generate")
 
 
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
+    """`main` is also the installed `jaxllm` command's entry point: it returns the status."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("jaxllm.llm.LLM", interrupted)
+    assert main(["generate", "A", *SMALL]) == 130
+
+
 def engine_must_not_start(*args, **kwargs):
     raise AssertionError("the engine started")
 

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         help="decode steps per executable when few sequences run (default: the platform's)",
     )
     parser.add_argument("--logprobs", type=int, help="every request's logprobs (top tokens)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     parser.add_argument(
         "--json-schema",
         nargs="?",
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxllm import LLM, SamplingParams, StructuredOutputsParams
+    from jaxllm.startup import DEFAULT_MAX_MODEL_LEN
 
     if args.attention:
         os.environ[ATTENTION_ENV] = args.attention
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts, max_tokens = workload(num_seqs, max_in, max_out)
     longest = max(len(prompt) + n for prompt, n in zip(prompts, max_tokens, strict=True))
-    if longest > engine_kwargs.get("max_model_len", 4096):  # else the engine's default
+    if longest > engine_kwargs.get("max_model_len", DEFAULT_MAX_MODEL_LEN):  # else the default
         engine_kwargs["max_model_len"] = longest
     if args.block_size:
         engine_kwargs["kvcache_block_size"] = args.block_size
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (OSError, TypeError, ValueError) as error:  # a value out of range, a missing model
         parser.error(str(error))
+    if longest > llm.config.max_model_len:  # NOTE: the engine would cut the outputs short
+        parser.error(f"requests of {longest} tokens; the model takes {llm.config.max_model_len}")
     startup_s = time.perf_counter() - start
     # NOTE: a workload's warm-up leaves no block in the prefix cache (3 + 1 tokens), so the
     # run starts from the state the simulator assumes.

@@ -142,6 +142,9 @@ def test_sampling_defaults_from_generation_config(checkpoint, continuation, tmp_
     path = checkpoint.with_generation_config(tmp_path / "bad", temperature=-1.0)
     with pytest.raises(ValueError, match=r"generation_config\.json: SamplingParams\.temperature"):
         LLM(str(path), **BASE_SETTINGS)
+    (path / "generation_config.json").write_text("[0.6]")
+    with pytest.raises(ValueError, match=r"generation_config\.json must hold a JSON object"):
+        LLM(str(path), **BASE_SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +188,10 @@ def test_stop_strings(text_llm, text_continuation):
     assert kept.token_ids == tokens[:completing]
     deltas = list(text_llm.stream("The capital of France is", cases[4]))
     assert "".join(delta.text for delta in deltas) == kept.text
+    sent_tokens, sent_text = [], ""
+    for delta in deltas[:-1]:  # nothing held back: each delta's text is its tokens' text
+        sent_tokens, sent_text = sent_tokens + delta.token_ids, sent_text + delta.text
+        assert sent_text == text_llm.tokenizer.decode(sent_tokens)
     assert_idle(text_llm)
 
 

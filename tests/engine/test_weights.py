@@ -215,6 +215,7 @@ def test_a_bad_leaf_gives_up_no_donated_array(fresh_llm, other_llm, monkeypatch)
     """Every leaf is checked before any is placed: a refused tree leaves the caller's arrays
     alive, donated or not."""
     elsewhere = jax.devices()[-1]  # not the engine's device: each leaf needs placing
+    assert elsewhere not in jax.tree.leaves(fresh_llm.params)[0].devices()
     moved = jax.tree.map(lambda x: jax.device_put(np.asarray(x), elsewhere), other_llm.params)
     leaves, structure = jax.tree.flatten(moved)
     leaves[-1] = leaves[-1].astype(np.float16)
