@@ -31,6 +31,7 @@ import importlib
 import itertools
 import os
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -42,6 +43,9 @@ EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured
 # thread and sequences copy the copies in turn: on an H200 host, 256 rows of one JSON schema
 # fill in 0.94 ms on 8 threads, 2.79 from one compiled matcher (docs/performance.md).
 MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# The distinct specs whose compiled matchers are kept, the least recently used dropped first: a
+# spec holds MASK_THREADS matchers (a schema of 20 keys ~0.25 MiB each, measured on a CPU).
+COMPILED_GRAMMARS = 64
 # A row speculates while a plan is expected to keep at least half its tokens, from the row's
 # recent acceptance in its mode (keeping 77% of them, one H200 stream ran at 482 vs 444 tok/s at
 # one step a plan; docs/performance.md); else it takes the other mode. When that fails at once
@@ -250,8 +254,8 @@ class Grammars:
         vocab_size: the model's vocabulary (the masks' width, padded to 32 tokens a word).
         eos_token_ids: the tokens a finished grammar allows, the first its end of text.
 
-    Mutates: `compile` caches each distinct spec's compiled grammar; the sequences' grammars
-    count their speculated tokens in `speculation`.
+    Mutates: `compile` caches the COMPILED_GRAMMARS distinct specs used last; the sequences'
+    grammars count their speculated tokens in `speculation`.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
@@ -262,7 +266,9 @@ class Grammars:
         self._lltokenizer = None
         self._executor = None  # fills masks and advances matchers on MASK_THREADS threads
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-grammar")
-        self._compiled: dict[tuple[str, str, bool], concurrent.futures.Future] = {}
+        self._compiled: OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = (
+            OrderedDict()
+        )
         # Each compiled grammar's next family: its sequences spread over all of them.
         self._families: dict[concurrent.futures.Future, itertools.cycle] = {}
         self.speculation = Speculation()
@@ -289,7 +295,8 @@ class Grammars:
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """The compiled grammar of `params` (a future of its MASK_THREADS compiled matchers:
-        compiled in the background, once per distinct spec); the spec is checked first.
+        compiled in the background, once per distinct spec while it is among the
+        COMPILED_GRAMMARS used last); the spec is checked first.
 
         Raises:
             ValueError: an invalid schema, regex or grammar, naming the field and the reason.
@@ -303,6 +310,9 @@ class Grammars:
             grammar = _grammar(llguidance, params, self._lltokenizer)
             compiled = self._compiler.submit(self._matchers, grammar)
             self._compiled[key] = compiled
+            if len(self._compiled) > COMPILED_GRAMMARS:  # its sequences keep theirs
+                self._families.pop(self._compiled.popitem(last=False)[1], None)
+        self._compiled.move_to_end(key)
         return compiled
 
     def _matchers(self, grammar: str) -> list:

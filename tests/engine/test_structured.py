@@ -277,6 +277,26 @@ def test_each_spec_compiles_once(text_llm):
     assert grammars.compile(StructuredOutputsParams(regex="[a-c]{6}")) is not first
 
 
+def test_only_the_specs_used_last_stay_compiled(text_llm, monkeypatch):
+    """A spec per request does not grow the cache without bound: the least recently used
+    go first; one compiled again works as before."""
+    monkeypatch.setattr("jaxllm.structured.COMPILED_GRAMMARS", 3)
+    grammars = text_llm.engine.grammars
+    specs = [StructuredOutputsParams(regex=f"[a-c]{{{n}}}") for n in range(1, 6)]
+    first = grammars.compile(specs[0])
+    for spec in specs[1:3]:
+        grammars.compile(spec)
+    assert grammars.compile(specs[0]) is first  # used again: now the newest
+    for spec in specs[3:]:
+        grammars.compile(spec)
+    assert len(grammars._compiled) == 3 and grammars.compile(specs[0]) is first
+    assert grammars.compile(specs[1]) is not grammars.compile(specs[3])
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_outputs=specs[1])
+    (output,) = text_llm.generate(["Q"], params, use_tqdm=False)  # compiled again
+    assert re.fullmatch("[a-c]{2}", output.outputs[0].text)
+    assert_idle(text_llm)
+
+
 def test_a_grammar_still_compiling_holds_back_no_one(text_llm, monkeypatch):
     engine = text_llm.engine
     grammars = engine.grammars
