@@ -310,7 +310,7 @@ class Grammars:
             grammar = _grammar(llguidance, params, self._lltokenizer)
             compiled = self._compiler.submit(self._matchers, grammar)
             self._compiled[key] = compiled
-            if len(self._compiled) > COMPILED_GRAMMARS:  # its sequences keep theirs
+            while len(self._compiled) > COMPILED_GRAMMARS:  # its sequences keep theirs
                 self._families.pop(self._compiled.popitem(last=False)[1], None)
         self._compiled.move_to_end(key)
         return compiled
