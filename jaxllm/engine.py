@@ -124,8 +124,7 @@ class Engine:
                     f"SamplingParams.{name} names token {outside[0]}, outside the model's "
                     f"vocabulary [0, {vocab})"
                 )
-        stops = set(params.stop_token_ids or ())
-        stops |= set() if params.ignore_eos else set(self.scheduler.config.eos_token_ids)
+        stops = self.scheduler.config.stop_tokens(params.stop_token_ids, params.ignore_eos)
         if params.min_tokens and params.allowed_token_ids and stops >= {*params.allowed_token_ids}:
             raise ValueError(
                 "SamplingParams.allowed_token_ids holds only stop tokens (eos, stop_token_ids), "

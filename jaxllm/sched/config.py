@@ -64,6 +64,10 @@ class SchedulerConfig:
         """Blocks of the longest sequence: the widest block table."""
         return -(-self.max_model_len // self.block_size)
 
+    def stop_tokens(self, stop_token_ids: Sequence[int] | None, ignore_eos: bool) -> frozenset[int]:
+        """The tokens that end a request: its stop_token_ids, and eos unless it ignores eos."""
+        return frozenset(stop_token_ids or ()) | frozenset(() if ignore_eos else self.eos_token_ids)
+
     def check_request(
         self, prompt_token_ids: Sequence[int] | np.ndarray, max_tokens: int | None
     ) -> tuple[np.ndarray, int]:

@@ -73,7 +73,6 @@ class Scheduler:
         self.num_constrained = 0  # live sequences with a grammar
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._eos = frozenset(config.eos_token_ids)
 
     def new_sequence(
         self,
@@ -91,9 +90,7 @@ class Scheduler:
         """
         params = params or SamplingParams()
         prompt, max_tokens = self.config.check_request(prompt_token_ids, params.max_tokens)
-        stop_ids = frozenset(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self._eos
+        stop_ids = self.config.stop_tokens(params.stop_token_ids, params.ignore_eos)
         return Sequence(
             next(self._seq_ids), prompt, params, max_tokens=max_tokens, stop_token_ids=stop_ids,
             stop_strings=stop_strings, processors=processors, grammar=grammar,
