@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxllm.cache import EvictionPolicy
 from jaxllm.cache.eviction import POLICIES
-from jaxllm.sampling_params import Check, as_bool, as_int, as_real, as_str, check_fields
+from jaxllm.fields import FLAG, Check, as_bool, as_int, as_real, as_str, check_fields
 
 
 @dataclass(frozen=True)
@@ -132,15 +132,15 @@ _CHECKS: dict[str, Check] = {
         lambda dtype: dtype in ("float32", "bfloat16"),
         'None, "float32" or "bfloat16"',
     ),
-    "enable_prefix_caching": (as_bool, lambda _: True, "True or False"),
+    "enable_prefix_caching": FLAG,
     "eviction_policy": (
         lambda policy: policy if _is_policy(policy) else None,
-        lambda _: True,
+        None,
         f"one of {sorted(POLICIES)} or an EvictionPolicy instance",
     ),
     # NOTE: the random weights' key takes an int64.
     "seed": (as_int, _in_range(0, 2**63), "an integer in [0, 2**63)"),
-    "compile_at_startup": (as_bool, lambda _: True, "None, True or False"),
+    "compile_at_startup": (as_bool, None, "None, True or False"),
     "num_scheduler_steps": (as_int, lambda n: 1 <= n <= 64, "None or an integer in [1, 64]"),
     "max_logprobs": (as_int, _in_range(1, 1025), "an integer in [1, 1024]"),
     "logprobs_mode": (as_str, LOGPROBS_MODES.__contains__, f"one of {', '.join(LOGPROBS_MODES)}"),

@@ -4,7 +4,7 @@ streamed deltas, and stop strings."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -17,11 +17,12 @@ def decode_tokens(
 ) -> str:
     """Decodes token ids to text. A model's vocab (151,936 for Qwen3) is padded beyond the
     tokenizer's (151,669): such ids, and negative ones, decode to nothing."""
-    known_ids = _known_ids(tokenizer, token_ids)
-    return tokenizer.decode(known_ids, skip_special_tokens=skip_special_tokens)
+    known = known_ids(tokenizer, token_ids)
+    return tokenizer.decode(known, skip_special_tokens=skip_special_tokens)
 
 
-def _known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
+def known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
+    """The ids the tokenizer has (padding ids past its vocabulary, and negative ones, dropped)."""
     size = len(tokenizer)
     return [int(t) for t in token_ids if 0 <= int(t) < size]
 
@@ -31,48 +32,32 @@ class IncrementalDetokenizer:
 
     Only settled text is emitted: a character whose UTF-8 bytes span several tokens decodes to a
     trailing U+FFFD while incomplete, and is held back until later tokens complete it or show
-    its bytes invalid (then the U+FFFD is genuine, and emitted). So `text` only grows, and the
-    concatenated deltas plus `finish()` equal the full decode. Each step decodes only a short
-    window of recent tokens (vLLM's prefix/read offsets), not the whole output.
+    its bytes invalid (then the U+FFFD is genuine, and emitted). So `text` only grows. Each step
+    decodes only a short window of recent tokens (vLLM's prefix/read offsets), not the whole
+    output.
 
     Mutates: its window of recent token ids and `text` (everything emitted so far).
     """
 
-    # NOTE: a few prompt tokens of context, as vLLM keeps, so the first delta decodes in context.
-    _NUM_PROMPT_TOKENS_KEPT = 5
-
     def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerFast,
-        skip_special_tokens: bool = True,
-        prompt_token_ids: Sequence[int] = (),
+        self, tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids)[-self._NUM_PROMPT_TOKENS_KEPT :]
         # The window: context tokens (window[:read_offset], already emitted), then new ones;
         # `_num_emitted` characters of its decoded text are in `text` or are context.
-        self._window = _known_ids(tokenizer, context)
-        self._read_offset = len(self._window)
-        self._num_emitted = len(self._decode(self._window))
+        self._window: list[int] = []
+        self._read_offset = self._num_emitted = 0
         self.text = ""
 
     def step(self, token_ids: int | Iterable[int]) -> str:
         """Adds new token ids; returns the text they settle (possibly "")."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        self._window.extend(_known_ids(self._tokenizer, token_ids))
-        return self._emit(final=False)
-
-    def finish(self) -> str:
-        """Returns the text still held back; call it once the stream ended. An incomplete
-        trailing character decodes to U+FFFD, as in the full decode."""
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
+        self._window.extend(known_ids(self._tokenizer, token_ids))
         window_text = self._decode(self._window)
         # NOTE: an incomplete character is one trailing U+FFFD; all text before it is settled.
-        incomplete = not final and window_text.endswith("\ufffd") and self._ends_incomplete()
+        incomplete = window_text.endswith("\ufffd") and self._ends_incomplete()
         end = len(window_text) - incomplete
         if end <= self._num_emitted:
             return ""

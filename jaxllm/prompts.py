@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxllm.sampling_params import SamplingParams, as_int, shown
+from jaxllm.fields import as_int, shown
+from jaxllm.sampling_params import SamplingParams
 
 TokenIds = Sequence[int] | np.ndarray
 Prompt = str | TokenIds | dict[str, Any]
@@ -206,15 +207,14 @@ def _message(message: object, conversation: int, index: int) -> dict[str, Any]:
 
 
 def one_per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
 ) -> list[SamplingParams]:
-    """A call's `sampling_params` (None: the defaults; one for all; or a list or tuple of one
-    per prompt) as one per prompt of its `count`.
+    """A call's `sampling_params` (one for all, or a list or tuple of one per prompt) as one per
+    prompt of its `count`.
 
     Raises:
         ValueError: a list of another length, or anything but SamplingParams.
     """
-    sampling_params = SamplingParams() if sampling_params is None else sampling_params
     if isinstance(sampling_params, SamplingParams):
         params = [sampling_params] * count
     elif isinstance(sampling_params, list | tuple):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxllm.detokenizer import StopStrings, decode_tokens
+from jaxllm.detokenizer import StopStrings, decode_tokens, known_ids
 from jaxllm.outputs import (
     CompletionOutput,
     PromptLogprobs,
@@ -37,8 +37,7 @@ class TokenTexts:
 
     def __call__(self, tokens: list[int]) -> dict[int, str]:
         new = sorted(set(tokens).difference(self._texts))
-        size = len(self.tokenizer)
-        known = [token for token in new if 0 <= token < size]
+        known = known_ids(self.tokenizer, new)
         # NOTE: transformers < 5.24 decodes an empty batch as one empty sequence.
         texts = self.tokenizer.batch_decode([[token] for token in known]) if known else []
         self._texts |= dict.fromkeys(new, "") | dict(zip(known, texts, strict=True))

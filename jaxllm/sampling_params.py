@@ -1,18 +1,15 @@
-"""Per-request sampling settings, validated at construction (pure Python and numpy, no jax).
-
-Also the checks `EngineConfig` and `jaxllm.prompts` share: `check_fields`, `as_int`, `as_real`,
-`as_bool`, `as_str` and `shown`.
-"""
+"""Per-request sampling settings, validated at construction (pure Python and numpy, no jax)."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from jaxllm.fields import FLAG, Check, as_int, as_real, as_str, as_tuple, check_fields, shown
 
 # A seed's range: any 64-bit unsigned value (the device keys its stream with all 64 bits).
 SEED_LIMIT = 2**64
@@ -48,40 +45,22 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        prefix = "StructuredOutputsParams."
+        check_fields(self, _STRUCTURED_CHECKS, prefix="StructuredOutputsParams.")
         kinds = ("json", "regex", "choice", "grammar")
-        given = [name for name in kinds if getattr(self, name) is not None]
+        given = [kind for kind in kinds if getattr(self, kind) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams: exactly one of json, regex, choice, grammar and "
                 f"json_object must be set, got {', '.join(given) or 'none'}"
             )
-        if self.choice is not None:
-            choice = None if isinstance(self.choice, str) else _as_tuple(self.choice, as_str)
-            if not choice:
-                raise ValueError(
-                    f"{prefix}choice must be a non-empty list of strings, got {shown(self.choice)}"
-                )
-            object.__setattr__(self, "choice", choice)
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
             except ValueError as error:
-                raise ValueError(f"{prefix}json is not valid JSON: {error}") from None
-        elif self.json is not None and not isinstance(self.json, dict):
-            raise ValueError(
-                f"{prefix}json must be a dict or its JSON text, got {shown(self.json)}"
-            )
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{prefix}{name} must be a string, got {shown(value)}")
-        for name in ("json_object", "disable_any_whitespace"):
-            flag = as_bool(getattr(self, name))
-            if flag is None:
-                raise ValueError(f"{prefix}{name} must be True or False")
-            object.__setattr__(self, name, flag)
+                raise ValueError(
+                    f"StructuredOutputsParams.json is not valid JSON: {error}"
+                ) from None
 
     @property
     def spec(self) -> tuple[str, str]:
@@ -222,84 +201,6 @@ class SamplingParams:
         return self._derived_seed or 0
 
 
-Check = tuple[Callable[[Any], Any], Callable[[Any], bool], str]
-
-
-def check_fields(
-    instance: object, checks: dict[str, Check], prefix: str = "", optional: set[str] = frozenset()
-) -> None:
-    """Replaces each field of a frozen dataclass `instance` named in `checks` by its converted
-    value, in the order of `checks`; fields whose default is None, and the `optional` ones, may
-    also be None.
-
-    Args:
-        checks: field name -> (its conversion, None where the value is refused; a test of the
-            converted value; what is allowed, in words).
-
-    Raises:
-        ValueError: "{prefix}{name} must be {allowed}, got {value}" for the first field refused.
-    """
-    optional = optional | {f.name for f in fields(instance) if f.default is None}
-    for name, (convert, ok, allowed) in checks.items():
-        value = getattr(instance, name)
-        if value is None and name in optional:
-            continue
-        converted = convert(value)
-        if converted is None or not ok(converted):
-            raise ValueError(f"{prefix}{name} must be {allowed}, got {shown(value)}")
-        object.__setattr__(instance, name, converted)
-
-
-def as_int(value: object) -> int | None:
-    """`value` as a Python int if it is an integer (numpy's included, bools not), else None."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        return None
-    return int(value)
-
-
-def as_real(value: object) -> float | None:
-    """`value` as a Python float if it is a real number other than NaN (integers and numpy
-    scalars included, bools not), else None; integers too large for a float give inf."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        return None
-    try:
-        real = float(value)
-    except OverflowError:
-        real = math.inf if value > 0 else -math.inf
-    return None if math.isnan(real) else real
-
-
-def as_bool(value: object) -> bool | None:
-    """`value` as a Python bool if it is one (numpy's included), else None."""
-    return bool(value) if isinstance(value, bool | np.bool_) else None
-
-
-def as_str(value: object) -> str | None:
-    """`value` as a Python str if it is one, else None."""
-    return str(value) if isinstance(value, str) else None
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """`value`'s repr for an error message, cut to about `limit` characters."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit of str()
-        text = f"<an int of {value.bit_length()} bits>"
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-def _as_tuple(value: object, convert: Callable[[Any], Any]) -> tuple | None:
-    """A string as a tuple of itself; a list, tuple, set or 1-d array as the tuple of `convert`
-    of each item. None where the value or an item (`convert` gives None) is not allowed."""
-    items = (value,) if isinstance(value, str) else value
-    if isinstance(items, np.ndarray) and items.ndim != 1:
-        return None
-    if not isinstance(items, list | tuple | set | frozenset | np.ndarray):
-        return None
-    converted = tuple(convert(item) for item in items)
-    return None if None in converted else converted
-
-
 def _stop_string(value: object) -> str | None:
     return str(value) if isinstance(value, str) and value else None
 
@@ -326,9 +227,25 @@ def _logit_bias(value: object) -> dict[int, float] | None:
 
 # NOTE: the device computes in float32: a larger number would be inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+_STRUCTURED_CHECKS: dict[str, Check] = {
+    "json": (
+        lambda spec: spec if isinstance(spec, dict | str) else None,
+        None,
+        "a dict or its JSON text",
+    ),
+    "regex": (as_str, None, "a string"),
+    "choice": (
+        lambda choice: None if isinstance(choice, str) else as_tuple(choice, as_str),
+        bool,
+        "a non-empty list of strings",
+    ),
+    "grammar": (as_str, None, "a string"),
+    "json_object": FLAG,
+    "disable_any_whitespace": FLAG,
+}
 _STRINGS: Check = (
-    lambda words: _as_tuple(words, _stop_string),
-    lambda _: True,
+    lambda words: as_tuple(words, _stop_string),
+    None,
     "None, a non-empty string or a list of non-empty strings",
 )
 # What each field allows (see `check_fields`); min_tokens, bounded by max_tokens, is checked after.
@@ -342,14 +259,14 @@ _CHECKS: dict[str, Check] = {
     "top_p": (as_real, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]"),
     "min_p": (as_real, lambda p: 0.0 <= p <= 1.0, "a number in [0, 1]"),
     "max_tokens": (as_int, lambda n: n >= 1, "None or an integer >= 1"),
-    "ignore_eos": (as_bool, lambda _: True, "True or False"),
-    "skip_special_tokens": (as_bool, lambda _: True, "True or False"),
-    "detokenize": (as_bool, lambda _: True, "True or False"),
-    "include_stop_str_in_output": (as_bool, lambda _: True, "True or False"),
+    "ignore_eos": FLAG,
+    "skip_special_tokens": FLAG,
+    "detokenize": FLAG,
+    "include_stop_str_in_output": FLAG,
     "stop": _STRINGS,
     "stop_token_ids": (
-        lambda ids: _as_tuple(ids, _token_id),
-        lambda _: True,
+        lambda ids: as_tuple(ids, _token_id),
+        None,
         "None or a list of integers >= 0",
     ),
     "seed": (as_int, lambda seed: 0 <= seed < SEED_LIMIT, "None or an integer in [0, 2**64)"),
@@ -365,18 +282,18 @@ _CHECKS: dict[str, Check] = {
     ),
     "logit_bias": (
         _logit_bias,
-        lambda _: True,
+        None,
         "None or a dict of token ids >= 0 to finite float32 numbers",
     ),
     "allowed_token_ids": (
-        lambda ids: None if isinstance(ids, str) else _as_tuple(ids, _token_id),
+        lambda ids: None if isinstance(ids, str) else as_tuple(ids, _token_id),
         bool,
         "None or a non-empty list of integers >= 0",
     ),
     "bad_words": _STRINGS,
     "structured_outputs": (
         lambda value: value if isinstance(value, StructuredOutputsParams) else None,
-        lambda _: True,
+        None,
         "None or a StructuredOutputsParams",
     ),
     "extra_args": (

@@ -207,12 +207,12 @@ def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platfor
             f"max_model_len={max_model_len} is more than the model's max_position_embeddings "
             f"({limit}); lower it, or leave it None"
         )
-    if config.compile_at_startup is None:
-        config = dataclasses.replace(config, compile_at_startup=platform.gpu)
+    compile_at_startup = config.compile_at_startup
     return dataclasses.replace(
         config,
         max_model_len=max_model_len,
         num_scheduler_steps=config.num_scheduler_steps or platform.num_scheduler_steps,
+        compile_at_startup=platform.gpu if compile_at_startup is None else compile_at_startup,
     )
 
 

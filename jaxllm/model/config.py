@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxllm.fields import Check, as_int, as_real, as_str, check_fields
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -53,19 +55,7 @@ class Qwen3Config:
 
     def __post_init__(self) -> None:
         """Raises a ValueError naming the first field out of its range."""
-        for name, least in SIZE_MINIMUMS.items():
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ValueError(f"Qwen3Config.{name} must be an integer >= {least}, got {value!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            is_number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (is_number and math.isfinite(value) and value > 0):
-                raise ValueError(f"Qwen3Config.{name} must be a finite number > 0, got {value!r}")
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"Qwen3Config.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}"
-            )
+        check_fields(self, _CHECKS, prefix="Qwen3Config.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"Qwen3Config.num_heads must be a multiple of num_kv_heads "
@@ -151,6 +141,18 @@ def param_bytes(config: Qwen3Config, tensor_parallel_size: int = 1) -> int:
     mlp = 3 * d * split(c.intermediate_size)  # gate_up_proj [D, 2, F], down_proj [F, D]
     layer = attention + mlp + 2 * d  # and attn_norm, mlp_norm [D]
     return (embeddings + c.num_layers * layer + d) * c.jnp_dtype.itemsize
+
+
+_POSITIVE: Check = (as_real, lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
+_CHECKS: dict[str, Check] = {
+    **{
+        name: (as_int, lambda n, least=least: n >= least, f"an integer >= {least}")
+        for name, least in SIZE_MINIMUMS.items()
+    },
+    "rope_theta": _POSITIVE,
+    "rms_norm_eps": _POSITIVE,
+    "dtype": (as_str, SUPPORTED_DTYPES.__contains__, f"one of {SUPPORTED_DTYPES}"),
+}
 
 
 def _preset(layers: int, hidden: int, heads: int, ffn: int, tied: bool, **more: Any) -> Qwen3Config:

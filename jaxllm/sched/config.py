@@ -8,6 +8,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.fields import Check, as_int, check_fields
+
+_AT_LEAST_ONE: Check = (as_int, lambda n: n >= 1, "an integer >= 1")
+_CHECKS: dict[str, Check] = dict.fromkeys(
+    ("num_blocks", "block_size", "max_num_seqs", "prefill_tile", "num_scheduler_steps"),
+    _AT_LEAST_ONE,
+) | {"max_model_len": (as_int, lambda n: n >= 2, "an integer >= 2")}
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -39,25 +47,13 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
-        def fail(name: str, allowed: str) -> None:
-            raise ValueError(
-                f"SchedulerConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
-            )
-
-        for name in (
-            "num_blocks",
-            "block_size",
-            "max_num_seqs",
-            "prefill_tile",
-            "num_scheduler_steps",
-        ):
-            if getattr(self, name) < 1:
-                fail(name, "an integer >= 1")
-        if self.max_model_len < 2:
-            fail("max_model_len", "an integer >= 2")
+        check_fields(self, _CHECKS, prefix="SchedulerConfig.")
         tile = self.prefill_tile
         if self.max_num_batched_tokens < tile or self.max_num_batched_tokens % tile:
-            fail("max_num_batched_tokens", f"a positive multiple of prefill_tile={tile}")
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens must be a positive multiple of "
+                f"prefill_tile={tile}, got {self.max_num_batched_tokens!r}"
+            )
 
     @property
     def max_blocks_per_seq(self) -> int:

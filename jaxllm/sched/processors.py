@@ -66,15 +66,10 @@ class ProcessorSlots:
         self.new: set[int] = set()
         self.num_needing_host_tokens = 0
 
-    def added(self, seq: Sequence) -> None:
-        """Counts a sequence that became live."""
+    def count(self, seq: Sequence, live: int) -> None:
+        """Counts a sequence that became live (`live` 1) or finished (-1)."""
         if seq.processors is not None and seq.processors.has_multi_token_words:
-            self.num_needing_host_tokens += 1
-
-    def removed(self, seq: Sequence) -> None:
-        """Counts a live sequence that finished."""
-        if seq.processors is not None and seq.processors.has_multi_token_words:
-            self.num_needing_host_tokens -= 1
+            self.num_needing_host_tokens += live
 
     def assign(self, seq: Sequence) -> None:
         if seq.processors is not None:

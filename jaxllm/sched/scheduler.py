@@ -100,7 +100,7 @@ class Scheduler:
         """Queues a sequence made by `new_sequence` (mutates the waiting queue)."""
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
-        self.slots.added(seq)
+        self.slots.count(seq, 1)
         self.num_constrained += seq.grammar is not None
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -122,10 +122,6 @@ class Scheduler:
         self.block_pool.reset()
         self.slots.reset()
         self.num_constrained = 0
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._live)
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -383,7 +379,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
-        self.slots.removed(seq)
+        self.slots.count(seq, -1)
         self.num_constrained -= seq.grammar is not None
 
     def _free(self, seq: Sequence) -> None:

@@ -220,7 +220,7 @@ def test_a_request_that_can_never_fit_is_refused_before_it_is_queued():
     with pytest.raises(ValueError, match="whole cache"):
         scheduler.new_sequence(list(range(10)), SamplingParams(max_tokens=8))
     scheduler.new_sequence(list(range(10)), SamplingParams(max_tokens=7))
-    assert not scheduler.waiting and scheduler.num_unfinished == 0
+    assert not scheduler.waiting and not scheduler.has_unfinished()
     fits = make_seq(scheduler, 10, max_tokens=7)  # 16 KV tokens: exactly the cache
     assert list(scheduler.waiting) == [fits]  # the refused requests never entered
     Harness(scheduler).run()
