@@ -111,7 +111,8 @@ class Engine:
 
         Raises:
             ValueError: a `logit_bias` key or an `allowed_token_ids` entry outside the
-                vocabulary, or allowed tokens that min_tokens bans all of, naming the field.
+                vocabulary, or allowed tokens that one-token bad words, with min_tokens' ban of
+                the stop tokens, ban all of, naming the field.
         """
         vocab = self.runner.config.vocab_size
         for name, tokens in (
@@ -125,15 +126,24 @@ class Engine:
                     f"vocabulary [0, {vocab})"
                 )
         stops = self.scheduler.config.stop_tokens(params.stop_token_ids, params.ignore_eos)
-        if params.min_tokens and params.allowed_token_ids and stops >= {*params.allowed_token_ids}:
-            raise ValueError(
-                "SamplingParams.allowed_token_ids holds only stop tokens (eos, stop_token_ids), "
-                "which min_tokens bans: nothing is left to sample"
-            )
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         # NOTE: a word with a token past the model's vocabulary can never be generated.
+        words = tuple(word for word in words if max(word) < vocab)
+        if params.allowed_token_ids:
+            banned = {word[0] for word in words if len(word) == 1}
+            if banned >= {*params.allowed_token_ids}:
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids holds only tokens that bad_words bans: "
+                    "nothing is left to sample"
+                )
+            if params.min_tokens and banned | stops >= {*params.allowed_token_ids}:
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids holds only stop tokens (eos, "
+                    "stop_token_ids) and tokens that bad_words bans; min_tokens bans the stop "
+                    "tokens: nothing is left to sample"
+                )
         bans = params.min_tokens and any(token < vocab for token in stops)
-        return tuple(word for word in words if max(word) < vocab), params.processes_logits or bans
+        return words, params.processes_logits or bans
 
     def add(self, request: Request) -> None:
         """Queues a request made by `new_request`."""

@@ -11,8 +11,8 @@ vLLM's order and formulas, on float32 logits, in `process`:
    a negative one multiplied by it;
 3. frequency penalty f and presence penalty p over the output: logit -= f * count + p * (count
    > 0).
-A row left with no token to sample (its bans and its grammar's mask exclude every one) keeps the
-logits it came with.
+A row left with no token to sample (its allowed tokens and its grammar's mask exclude every one)
+keeps the logits it came with, masked by the grammar.
 
 Structured outputs' token masks are applied here too (`apply_bitmask`), before the rest.
 

@@ -114,17 +114,25 @@ def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ..
 def banned_now(seq: Sequence, num_outputs: int) -> frozenset[int]:
     """The tokens banned where `seq` samples the output token that follows `num_outputs` of
     them: its stop tokens while fewer than min_tokens are out; the last tokens of the
-    multi-token bad words whose other tokens end the output."""
-    output = seq.output_token_ids
+    multi-token bad words whose other tokens end the output, unless with the other bans they
+    would leave none of its allowed tokens (`Engine.new_request` refuses the other bans alone
+    doing so): only allowed tokens are ever sampled."""
+    output, words, vocab = seq.output_token_ids, seq.processors.bad_words, seq.processors.vocab_size
     banned = frozenset(
         word[-1]
-        for word in seq.processors.bad_words
+        for word in words
         if 1 < len(word) <= len(output) + 1
         and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
     )
+    stops = frozenset()
     if num_outputs < seq.params.min_tokens:  # NOTE: a tokenizer's eos may lie past the model's
-        banned |= {token for token in seq.stop_token_ids if token < seq.processors.vocab_size}
-    return banned
+        stops = frozenset(token for token in seq.stop_token_ids if token < vocab)
+    allowed = seq.params.allowed_token_ids
+    if banned and allowed is not None:
+        single = {word[0] for word in words if len(word) == 1}
+        if banned | stops | single >= {*allowed}:
+            banned = frozenset()
+    return banned | stops
 
 
 def static_bias(seq: Sequence) -> np.ndarray:

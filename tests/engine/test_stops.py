@@ -86,9 +86,15 @@ def test_stop_token_ids_and_min_tokens(make_llm, checkpoint, continuation, setti
     assert_idle(llm)
 
 
-def test_allowed_tokens_that_min_tokens_bans_all_of_are_refused(llm):
+def test_allowed_tokens_that_bans_leave_none_of_are_refused(llm):
+    """min_tokens' ban of the stop tokens, one-token bad words ("&" is token 5), or both."""
     with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
         llm.generate([PROMPT], greedy(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2))
+    with pytest.raises(ValueError, match="allowed_token_ids holds only tokens that bad_words"):
+        llm.generate([PROMPT], greedy(allowed_token_ids=[5], bad_words=["&"]))
+    with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
+        both = greedy(allowed_token_ids=[5, 6], stop_token_ids=[6], bad_words=["&"], min_tokens=1)
+        llm.generate([PROMPT], both)
     assert_idle(llm)
     (output,) = llm.generate([PROMPT], greedy(allowed_token_ids=[5], stop_token_ids=[5]))
     assert (output.token_ids, output.finish_reason) == ([5], "stop")

@@ -271,9 +271,16 @@ def test_apply_writes_a_slot_then_edits_in_chunks():
 BAD_WORDS = ((5,), (1, 2), (1, 2, 3), (2, 3), (4, 4))
 
 
-def banned(output: list[int], bad_words=BAD_WORDS) -> frozenset[int]:
+def banned(output: list[int], bad_words=BAD_WORDS, **params) -> frozenset[int]:
     processors = SequenceProcessors(vocab_size=8, bad_words=bad_words)
-    seq = Sequence(0, np.asarray([1, 2]), SamplingParams(), max_tokens=8, processors=processors)
+    seq = Sequence(
+        0,
+        np.asarray([1, 2]),
+        SamplingParams(**params),
+        max_tokens=8,
+        processors=processors,
+        stop_token_ids=frozenset({7}),
+    )
     for token in output:
         seq.append_token(token)
     return banned_now(seq, len(output))
@@ -291,6 +298,17 @@ def test_banned_now_names_last_tokens_whose_words_end_the_output():
     assert banned([1, 7]) == frozenset()
     # The prompt ([1, 2]) is not the output: nothing is banned before the first token.
     assert banned([], bad_words=((2, 3),)) == frozenset()
+
+
+def test_bans_never_leave_none_of_the_allowed_tokens():
+    """Words of several tokens are not banned where, with the one-token words and min_tokens'
+    stop tokens, they would ban every allowed token; else they are."""
+    words = ((1, 2), (1, 3), (5,))
+    assert banned([1], words, allowed_token_ids=[2, 3, 4]) == {2, 3}
+    assert banned([1], words, allowed_token_ids=[2, 3]) == frozenset()
+    assert banned([1], words, allowed_token_ids=[2, 3, 5]) == frozenset()  # 5: a bad word
+    assert banned([1], words, allowed_token_ids=[2, 3, 7], min_tokens=4) == {7}  # 7: a stop
+    assert banned([1], words, allowed_token_ids=[2, 3, 7]) == {2, 3}
 
 
 # The texts `TableTokenizer` encodes.
