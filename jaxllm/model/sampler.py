@@ -1,9 +1,9 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p and min-p, mixed per row.
 
-Filters apply in vLLM's order: temperature, top-k, top-p (on what top-k left), min-p. Each keeps
-every token whose scaled logit reaches a per-row threshold, so ties with the boundary are kept.
-Min-p compares each probability with the top one's, a ratio the earlier filters leave unchanged
-(they keep the top token), so it applies to the scaled logits directly.
+Filters apply in vLLM's order: temperature, min-p, top-k, top-p (on what min-p and top-k left).
+Each keeps every token whose scaled logit reaches a per-row threshold, so ties with the boundary
+are kept. Min-p compares each probability with the top one's; top-p's mass is that of the tokens
+min-p and top-k keep.
 
 The draw is Gumbel-max over the vocabulary with noise keyed by the row's (seed, step) alone: a
 seeded request's tokens do not depend on the rest of the batch, its row or the batch size.
@@ -124,10 +124,11 @@ def processed_logits(
     top_k = jnp.maximum(top_k, 0)
     top_p = jnp.where(is_greedy, 1.0, inputs.top_p)
     filtered = (top_k > 0) | (top_p < 1.0)
+    min_p = inputs.min_p
     threshold = _top_k_top_p_threshold(
-        scaled, ratio, row_max, top_k, top_p, filtered, block_size, num_blocks, fallback=fallback
+        scaled, ratio, row_max, top_k, top_p, min_p, filtered, block_size, num_blocks, fallback
     )
-    keep = (scaled >= threshold[:, None]) & (ratio >= inputs.min_p[:, None])
+    keep = (scaled >= threshold[:, None]) & (ratio >= min_p[:, None])
     # NOTE: the top token always passes min-p (its ratio is 1, but recomputed in another fusion
     # it may round below a min_p near 1); without it a row could keep nothing.
     greedy_tokens = jnp.argmax(logits, axis=-1)  # [S]
@@ -174,23 +175,26 @@ def uniform_open(bits: jax.Array) -> jax.Array:
 
 
 def _top_k_top_p_threshold(
-    scaled, ratio, row_max, top_k, top_p, filtered, block_size: int, num_blocks: int, fallback=True
+    scaled, ratio, row_max, top_k, top_p, min_p, filtered, block_size, num_blocks, fallback=True
 ) -> jax.Array:
-    """[S] smallest scaled logit that top-k and top-p keep (-inf where a row filters nothing);
-    `scaled` and `ratio` are [S, V], the other arrays [S].
+    """[S] smallest scaled logit that top-k and top-p keep, of the tokens min-p keeps (-inf
+    where a row filters nothing); `scaled` and `ratio` are [S, V], the other arrays [S].
 
     A row's threshold comes from its candidates when that is exact: always for 1 <= top_k <=
     `num_blocks` (the k largest logits lie in the k blocks with the largest maxima), else when
     the kept set ends strictly above the candidates' bound. Other rows sort their whole row,
     under a `lax.cond` that `fallback=False` ("top-k") leaves out. The choice is per row.
     """
+    ratio = jnp.where(ratio >= min_p[:, None], ratio, 0.0)  # what min-p removes has no mass
     full_mass = jnp.sum(ratio, axis=-1)  # [S]
     candidates, bound = _candidates(scaled, block_size, num_blocks)
     k_threshold = _kth_largest(candidates, top_k)
     # NOTE: the top-k mass over the whole row: tokens tied with the k-th largest count even
     # when they lie outside the candidates.
     k_mass = jnp.sum(jnp.where(scaled >= k_threshold[:, None], ratio, 0.0), axis=-1)
-    threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p, k_mass)[0]
+    threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p, min_p, k_mass)[
+        0
+    ]
     if not fallback:
         return jnp.where(filtered, threshold, -jnp.inf)
     # NOTE: otherwise a threshold above the bound means that every token kept is a candidate and
@@ -200,7 +204,7 @@ def _top_k_top_p_threshold(
 
     def sort_rows() -> jax.Array:
         descending = jnp.sort(scaled, axis=-1, descending=True)  # [S, V]
-        full, _ = _threshold_from_sorted(descending, row_max, full_mass, top_k, top_p)
+        full, _ = _threshold_from_sorted(descending, row_max, full_mass, top_k, top_p, min_p)
         return jnp.where(exact, threshold, full)
 
     threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, sort_rows)
@@ -233,18 +237,19 @@ def _candidates(scaled: jax.Array, block_size: int, num_blocks: int) -> tuple[ja
 
 
 def _threshold_from_sorted(
-    descending, row_max, full_mass, top_k, top_p, k_mass: jax.Array | None = None
+    descending, row_max, full_mass, top_k, top_p, min_p, k_mass: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """[S] the combined top-k/top-p threshold and [S] the top-k one (-inf where top-k is off),
-    from the W largest scaled logits of each row, [S, W] descending. Exact when both end
-    strictly inside the W values (always when W == V).
+    from the W largest scaled logits of each row, [S, W] descending; top-p over the tokens
+    min-p keeps. Exact when both end strictly inside the W values (always when W == V).
 
-    `k_mass` is the top-k set's mass (in units of the top token's probability) where the
-    caller knows it; else it is summed over the W values.
+    `k_mass` is the mass of the tokens top-k and min-p keep (in units of the top token's
+    probability) where the caller knows it; else it is summed over the W values.
     """
     k_threshold = _kth_largest(descending, top_k)
-    in_top_k = descending >= k_threshold[:, None]  # [S, W]
-    weights = jnp.where(in_top_k, jnp.exp(descending - row_max[:, None]), 0.0)  # [S, W]
+    ratio = jnp.exp(descending - row_max[:, None])  # [S, W]
+    in_top_k = (descending >= k_threshold[:, None]) & (ratio >= min_p[:, None])
+    weights = jnp.where(in_top_k, ratio, 0.0)
     if k_mass is None:
         k_mass = jnp.sum(weights, axis=-1)
     mass = jnp.where(top_k > 0, k_mass, full_mass)  # [S]

@@ -77,6 +77,14 @@ def test_top_p_applies_to_the_top_k_distribution():
     assert_matches(draw(LOGITS, top_k=3, top_p=0.7), expected)
 
 
+def test_top_p_applies_to_what_min_p_left():
+    # Min-p 0.3 keeps 0.40, 0.25 and 0.15 (>= 0.12), renormalized 0.5, 0.3125, 0.1875: top_p
+    # 0.7 keeps 2 tokens. Top-p over the whole row (0.40, 0.65, 0.80) would keep 3.
+    expected = exact_distribution(LOGITS, top_p=0.7, min_p=0.3)
+    assert np.count_nonzero(expected) == 2
+    assert_matches(draw(LOGITS, top_p=0.7, min_p=0.3), expected)
+
+
 @pytest.mark.parametrize(("min_p", "temperature"), [(0.3, 1.0), (0.3, 1.5), (0.05, 0.8)])
 def test_min_p(min_p, temperature):
     expected = exact_distribution(LOGITS, temperature, min_p=min_p)
@@ -224,7 +232,12 @@ def uses_candidates(logits, inputs, block_size, num_blocks):
     full_mass = jnp.exp(scaled - row_max[:, None]).sum(-1)
     candidates, bound = sampler_module._candidates(scaled, block_size, num_blocks)
     threshold, k_threshold = sampler_module._threshold_from_sorted(
-        candidates, row_max, full_mass, jnp.asarray(inputs.top_k), jnp.asarray(inputs.top_p)
+        candidates,
+        row_max,
+        full_mass,
+        jnp.asarray(inputs.top_k),
+        jnp.asarray(inputs.top_p),
+        jnp.asarray(inputs.min_p),
     )
     filtered = (inputs.top_k > 0) | (inputs.top_p < 1)
     small_k = (inputs.top_k >= 1) & (inputs.top_k <= num_blocks)
@@ -364,7 +377,16 @@ def test_the_top_k_mode_equals_the_general_sampler_with_ties_and_few_candidates(
 
     def thresholds(num_blocks, fallback):
         return sampler_module._top_k_top_p_threshold(
-            scaled, ratio, row_max, top_k, top_p, filtered, 4, num_blocks, fallback
+            scaled,
+            ratio,
+            row_max,
+            top_k,
+            top_p,
+            jnp.asarray(inputs.min_p),
+            filtered,
+            4,
+            num_blocks,
+            fallback,
         )
 
     np.testing.assert_array_equal(thresholds(16, False), thresholds(75, True))

@@ -7,15 +7,15 @@ import numpy as np
 
 def exact_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
     """In float64, with vLLM's filter order (as jaxllm/model/sampler.py documents): temperature,
-    then top-k, then top-p on what top-k left (the boundary token kept), then min-p against the
-    top token. Temperature 0 is greedy."""
+    then min-p against the top token, then top-k, then top-p on what min-p and top-k left (the
+    boundary token kept). Temperature 0 is greedy."""
     if temperature == 0.0:
         return np.eye(len(logits))[np.argmax(logits)]
     scaled = np.asarray(logits, np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    keep = np.ones_like(probs, bool)
+    keep = probs >= min_p * probs.max()
     if top_k > 0:
         keep[order[top_k:]] = False
     if top_p < 1.0:
@@ -24,7 +24,6 @@ def exact_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -
         mass_before = np.concatenate([[0.0], np.cumsum(kept_sorted)[:-1]])
         # The prefix up to and including the first token at which the mass reaches top_p.
         keep[order[mass_before >= top_p]] = False
-    keep &= probs >= min_p * probs.max()
     result = np.where(keep, probs, 0.0)
     return result / result.sum()
 
