@@ -169,7 +169,7 @@ class LLM:
         Args:
             prompts: one prompt or a list (any ordered iterable) of them; a prompt is a
                 string, token ids (a list or 1-d integer array), or vLLM's {"prompt": text} or
-                {"prompt_token_ids": ids} (`jaxllm.prompts`).
+                {"prompt_token_ids": ids} (its "prompt" too: the output's; `jaxllm.prompts`).
             sampling_params: one SamplingParams for all (default: the model's,
                 `get_default_sampling_params()`), or one per prompt.
             use_tqdm: show a progress bar with prefill and decode tokens/s.

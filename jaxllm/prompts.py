@@ -28,13 +28,14 @@ Prompt = str | TokenIds | dict[str, Any]
 
 ALLOWED = (
     "a string, token ids (a list, tuple or 1-d integer numpy array), {'prompt': str} or "
-    "{'prompt_token_ids': token ids}"
+    "{'prompt_token_ids': token ids} (with the 'prompt' they came from, if known)"
 )
 _TEXT_KEY, _TOKENS_KEY = "prompt", "prompt_token_ids"
 
 
 class ParsedPrompt(NamedTuple):
-    """One prompt: its text (to tokenize), or its token ids (then `text` is None)."""
+    """One prompt: its text (to tokenize), or its token ids and the text they came from (None
+    where not given)."""
 
     text: str | None
     token_ids: list[int] | None
@@ -74,30 +75,34 @@ def _parse_one(prompt: object, index: int) -> ParsedPrompt:
 
 
 def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
-    """vLLM's TextPrompt or TokensPrompt."""
+    """vLLM's TextPrompt, or TokensPrompt (its ids, and their text where it has one)."""
     for key in prompt:
         if key not in (_TEXT_KEY, _TOKENS_KEY):
             raise ValueError(
                 f"prompt {index}: unknown key {shown(key)} in a prompt dict; allowed: "
-                f"'{_TEXT_KEY}' (a TextPrompt) or '{_TOKENS_KEY}' (a TokensPrompt)"
+                f"'{_TEXT_KEY}' (a TextPrompt) or '{_TOKENS_KEY}' (a TokensPrompt, which may "
+                f"also hold its '{_TEXT_KEY}')"
             )
-    if len(prompt) != 1:
+    if not prompt:
         raise ValueError(
-            f"prompt {index}: a prompt dict takes one key, '{_TEXT_KEY}' or '{_TOKENS_KEY}'; "
-            f"got {'both' if prompt else 'none'}"
+            f"prompt {index}: a prompt dict takes '{_TEXT_KEY}' or '{_TOKENS_KEY}'; got none"
         )
-    if _TOKENS_KEY in prompt:
-        tokens = prompt[_TOKENS_KEY]
-        if not isinstance(tokens, list | tuple | np.ndarray):
+    text = prompt.get(_TEXT_KEY)
+    if text is not None or _TOKENS_KEY not in prompt:
+        if not isinstance(text, str):
             raise ValueError(
-                f"prompt {index}: '{_TOKENS_KEY}' must be a list, tuple or 1-d integer numpy "
-                f"array of token ids, got {_described(tokens)}"
+                f"prompt {index}: '{_TEXT_KEY}' must be a string, got {_described(text)}"
             )
-        return ParsedPrompt(None, _token_ids(tokens, index))
-    text = prompt[_TEXT_KEY]
-    if not isinstance(text, str):
-        raise ValueError(f"prompt {index}: '{_TEXT_KEY}' must be a string, got {_described(text)}")
-    return ParsedPrompt(_text(text, index), None)
+        text = _text(text, index)
+    if _TOKENS_KEY not in prompt:
+        return ParsedPrompt(text, None)
+    tokens = prompt[_TOKENS_KEY]
+    if not isinstance(tokens, list | tuple | np.ndarray):
+        raise ValueError(
+            f"prompt {index}: '{_TOKENS_KEY}' must be a list, tuple or 1-d integer numpy "
+            f"array of token ids, got {_described(tokens)}"
+        )
+    return ParsedPrompt(text, _token_ids(tokens, index))
 
 
 def _text(text: str, index: int) -> str:

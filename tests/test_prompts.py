@@ -20,6 +20,10 @@ ACCEPTED = {
     "TextPrompt": ({"prompt": "Hi"}, [TEXT_PROMPT]),
     "TokensPrompt": ({"prompt_token_ids": TOKENS}, ONE_TOKEN_PROMPT),
     "TokensPrompt of an array": ({"prompt_token_ids": np.array(TOKENS)}, ONE_TOKEN_PROMPT),
+    "TokensPrompt with its text": (
+        {"prompt": "Hi", "prompt_token_ids": TOKENS},
+        [ParsedPrompt("Hi", TOKENS)],
+    ),
     "a list of each": (
         ["Hi", TOKENS, np.array(TOKENS), {"prompt": "Yo"}, {"prompt_token_ids": (5, 6, 7)}],
         [TEXT_PROMPT, TOKEN_PROMPT, TOKEN_PROMPT, ParsedPrompt("Yo", None), TOKEN_PROMPT],
@@ -59,11 +63,11 @@ REFUSED = {
         "prompt 1: unknown key 'cache_salt' in a prompt dict; allowed: 'prompt' .*"
         "'prompt_token_ids'",
     ),
-    "both keys": (
-        {"prompt": "a", "prompt_token_ids": TOKENS},
-        "prompt 0: a prompt dict takes one key, .*; got both",
+    "an empty dict": ({}, "prompt 0: a prompt dict takes 'prompt' or 'prompt_token_ids'; got none"),
+    "a TokensPrompt's text that is not a string": (
+        {"prompt": 3, "prompt_token_ids": TOKENS},
+        "prompt 0: 'prompt' must be a string",
     ),
-    "an empty dict": ({}, "prompt 0: a prompt dict takes one key, .*; got none"),
     "text that is not a string": ({"prompt": TOKENS}, "prompt 0: 'prompt' must be a string"),
     "token ids that are text": (
         {"prompt_token_ids": "abc"},

@@ -135,6 +135,10 @@ def test_prompt_forms(llm):
     (text_output,) = llm.generate("\x05\x06", params, use_tqdm=False)
     assert text_output.prompt == "\x05\x06"
     assert text_output.prompt_token_ids == llm.tokenizer.encode("\x05\x06")
+    # A TokensPrompt's text is the output's prompt; its ids are what runs.
+    (tokens_output,) = llm.generate({"prompt": "5 6 7 8", "prompt_token_ids": tokens}, params)
+    assert (tokens_output.prompt, tokens_output.prompt_token_ids) == ("5 6 7 8", tokens)
+    assert tokens_output.outputs[0].token_ids == expected
 
 
 def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path, monkeypatch):
