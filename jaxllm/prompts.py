@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jinja2
 import numpy as np
 
 from jaxllm.fields import as_int, shown
@@ -154,8 +155,9 @@ def chat_prompts(
     `enable_thinking` is Qwen3's (None: the template's default, thinking on).
 
     Raises:
-        ValueError: a malformed conversation, or both add_generation_prompt and
-            continue_final_message.
+        ValueError: a malformed conversation, both add_generation_prompt and
+            continue_final_message, or a template that fails on a conversation (its
+            `raise_exception`, a syntax error), naming the conversation.
     """
     options |= chat_template_kwargs or {}  # NOTE: as in vLLM, these win
     if enable_thinking is not None:
@@ -163,10 +165,13 @@ def chat_prompts(
     if options.get("add_generation_prompt") and options.get("continue_final_message"):
         raise ValueError("continue_final_message=True needs add_generation_prompt=False")
     options["tokenize"] = False
-    return [
-        tokenizer.apply_chat_template(conversation, **options)
-        for conversation in parse_conversations(messages)
-    ]
+    prompts = []
+    for index, conversation in enumerate(parse_conversations(messages)):
+        try:
+            prompts.append(tokenizer.apply_chat_template(conversation, **options))
+        except jinja2.TemplateError as error:
+            raise ValueError(f"conversation {index}: the chat template failed: {error}") from None
+    return prompts
 
 
 def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:

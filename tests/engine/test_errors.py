@@ -90,6 +90,21 @@ def test_bad_chat_call_runs_nothing(text_llm):
 
 
 @pytest.mark.parametrize(
+    "template",
+    [
+        "{{ raise_exception('roles must alternate') }}",  # how a template refuses a conversation
+        "{% for message in messages %}",  # a syntax error
+        "{{ messages | no_such_filter }}",
+    ],
+)
+def test_a_failing_chat_template_is_a_value_error(template, text_llm):
+    conversations = [[{"role": "user", "content": "Hi"}]] * 2
+    with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
+        text_llm.chat(conversations, chat_template=template, use_tqdm=False)
+    assert_idle(text_llm)
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("temperature", -0.5),
