@@ -217,7 +217,8 @@ def processor_plan(
 ) -> ProcessorPlan | None:
     """The processing of a step of `seqs` (rows in order; `num_outputs`: the output tokens
     before each row's sampled one), None when no row asks for any; `written`: the ids of
-    sequences whose slot is new, written whole."""
+    sequences whose slot is new, written whole: for the row's token, or where the row samples
+    none (a prompt's chunk short of its end), for the token that follows all it holds."""
     rows = np.full((2, num_sampled), -1, np.int32)
     writes, edits = [], []
     for index, (seq, sampled) in enumerate(zip(seqs, samples, strict=True)):
@@ -226,7 +227,7 @@ def processor_plan(
             continue
         rows[:, index] = proc.slot if sampled else -1
         if seq.seq_id in written:
-            writes.append(slot_write(seq, num_outputs[index]))
+            writes.append(slot_write(seq, num_outputs[index] if sampled else seq.num_output_tokens))
         elif sampled and (proc.has_multi_token_words or seq.params.min_tokens):
             edits += ban_edits(seq, num_outputs[index])  # NOTE: a row that samples needs them
     if not writes and (rows[0] < 0).all():

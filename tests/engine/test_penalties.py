@@ -318,6 +318,22 @@ def test_slots_are_recycled(make_llm, checkpoint, greedy_prompts):
     assert_idle(llm)
 
 
+def test_a_chunked_prompt_keeps_its_stop_tokens(make_llm):
+    """A processed request admitted by a chunk short of its prompt's end: the stop token a bias
+    makes certain ends it at once, as it does a prompt of one chunk."""
+    llm = make_llm(**SCHEDULES["chunked-prefill"])  # 48 tokens a step
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, stop_token_ids=[7], logit_bias={7: 100.0}
+    )
+    prompts = [list(range(10, 40)), list(range(10, 110))]  # one chunk; three chunks
+
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+
+    ends = [(output.outputs[0].token_ids, output.outputs[0].finish_reason) for output in outputs]
+    assert ends == [([7], "stop")] * 2
+    assert_idle(llm)
+
+
 def test_tensor_parallel_equals_transformers(make_llm, checkpoint, greedy_prompts):
     """At TP=2 (emulated devices) the processors' state and the logits are replicated."""
     llm = make_llm(tensor_parallel_size=2)
