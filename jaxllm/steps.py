@@ -142,12 +142,13 @@ def logprob_step(logits, tokens, packed, *, num_rows: int, num_top: int, process
     """`sampler.token_logprobs` of a step's sampled rows, padded to `num_rows` rows: of the token
     each row sampled, or of its target where that is >= 0 (a prompt token). `packed` holds the
     targets [S], then the rows' `SamplingInputs`; `processed`: of the logits each row samples
-    from (`sampler.processed_logits`), not the raw ones."""
+    from (`sampler.processed_logits`), not the raw ones; a prompt token's, raw either way."""
     num_sampled = logits.shape[0]
     like = (np.zeros(num_sampled, np.int32), *SamplingInputs.padding(num_sampled))
     targets, *sampling = unpack(packed, like)
-    if processed:
-        logits = processed_logits(logits, SamplingInputs(*sampling))
+    if processed:  # NOTE: a prompt token's row (no processor, no mask applied) is raw
+        sampled = processed_logits(logits, SamplingInputs(*sampling))
+        logits = jnp.where((targets >= 0)[:, None], logits.astype(sampled.dtype), sampled)
     chosen = jnp.where(targets >= 0, targets, tokens[:num_sampled])
     values = token_logprobs(logits, chosen, num_top)
     return jnp.pad(values, ((0, num_rows - num_sampled), (0, 0)))

@@ -209,19 +209,25 @@ def test_processed_logprobs_are_of_the_logits_sampled_from(make_llm, checkpoint,
                     assert sum(np.isfinite(e.logprob) for e in entries.values()) == keep
 
 
-def test_prompt_logprobs_stay_raw_beside_a_bias_in_processed_mode(make_llm, greedy_prompts):
+def test_prompt_logprobs_stay_raw_in_processed_mode(make_llm, greedy_prompts):
     """Prompt logprobs are raw in either mode: the rows that end a chunk of the prompt, which
-    sample nothing, skip the request's logits processors."""
+    sample nothing, skip the request's logits processors, temperature and filters."""
     llm = make_llm(logprobs_mode="processed_logprobs")
     prompt = greedy_prompts[7]  # 100 tokens: in several chunks
     assert len(prompt) > llm.engine.scheduler.ladder.all_rows_tokens
     bias = dict.fromkeys(prompt, -30.0)
-    plain, biased = llm.generate(
-        [prompt] * 2,
-        [greedy_params(2, prompt_logprobs=1), greedy_params(2, prompt_logprobs=1, logit_bias=bias)],
+    plain, *processed = llm.generate(
+        [prompt] * 3,
+        [
+            greedy_params(2, prompt_logprobs=1),
+            greedy_params(2, prompt_logprobs=1, logit_bias=bias),
+            SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0.5, top_k=3, seed=0),
+        ],
         use_tqdm=False,
     )
-    rows = zip(prompt[1:], plain.prompt_logprobs[1:], biased.prompt_logprobs[1:], strict=True)
-    for token, raw, got in rows:
-        assert got[token].logprob == pytest.approx(raw[token].logprob, abs=1e-5)
+    for output in processed:
+        rows = zip(prompt[1:], plain.prompt_logprobs[1:], output.prompt_logprobs[1:], strict=True)
+        for token, raw, got in rows:
+            assert got[token].logprob == pytest.approx(raw[token].logprob, abs=1e-5)
+            assert got[token].rank == raw[token].rank
     assert_idle(llm)
