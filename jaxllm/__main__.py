@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is"
+MODEL_DEFAULT = "default: the model's generation_config.json, else SamplingParams()'s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +44,8 @@ def _main(argv: list[str] | None) -> int:
             help="compile every bucket of the ladder first (default: only the buckets these "
             "prompts need, as they come: far quicker for a few prompts)",
         )
-        sub.add_argument("--temperature", type=float, default=0.6, help="default: %(default)s")
-        sub.add_argument("--top-p", type=float, default=0.95, help="default: %(default)s")
-        sub.add_argument("--max-tokens", type=int, default=64, help="default: %(default)s")
+        for flag, kind in (("--temperature", float), ("--top-p", float), ("--max-tokens", int)):
+            sub.add_argument(flag, type=kind, default=None, help=MODEL_DEFAULT)
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
         constraint = sub.add_mutually_exclusive_group()
@@ -90,14 +91,10 @@ def _main(argv: list[str] | None) -> int:
                 disable_any_whitespace=args.disable_any_whitespace,
             )
             grammars.check(structured)
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-            structured_outputs=structured,
-        )
+        given = {name: getattr(args, name) for name in ("temperature", "top_p", "max_tokens")}
+        flags = {name: value for name, value in given.items() if value is not None}
+        flags |= dict(seed=args.seed, ignore_eos=args.ignore_eos, structured_outputs=structured)
+        SamplingParams(**flags)
     except (ImportError, OSError, ValueError) as error:
         args.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
@@ -111,6 +108,7 @@ def _main(argv: list[str] | None) -> int:
     prompts = args.prompts or [DEFAULT_PROMPT]
     # NOTE: what the engine refuses, it refuses before any work (a prompt too long).
     try:
+        params = dataclasses.replace(llm.get_default_sampling_params(), **flags)
         if args.command == "generate":
             outputs = llm.generate(prompts, params)
         else:

@@ -36,6 +36,25 @@ def test_readme_main_job(capsys, caplog):
     assert elapsed < 60
 
 
+def test_sampling_defaults_are_the_models_under_the_flags(capsys, monkeypatch):
+    """Flags left out sample as the model's generation config says (here greedy, 5 tokens: the
+    same text whatever the seed); a flag given wins."""
+    from jaxllm import SamplingParams
+    from jaxllm.llm import LLM
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    monkeypatch.setattr(LLM, "get_default_sampling_params", lambda self: greedy)
+    texts = []
+    for seed in ("1", "2"):
+        assert main(["generate", "A", *SMALL, "--seed", seed]) == 0
+        ((text, _),) = completions(out := capsys.readouterr().out)
+        assert "--- 5 tokens" in out
+        texts.append(text)
+    assert texts[0] == texts[1]
+    assert main(["generate", "A", *SMALL, "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert "--- 3 tokens" in capsys.readouterr().out
+
+
 def test_generate_compiling_the_ladder_at_startup(capsys):
     argv = ["generate", "The capital of France is", *SMALL, "--compile-at-startup"]
     code = main([*argv, "--max-tokens", "8", "--ignore-eos"])
