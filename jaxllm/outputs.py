@@ -31,7 +31,8 @@ class Logprob(NamedTuple):
 
     Attributes:
         logprob: log-softmax of the model's raw logits (before temperature and filters).
-        rank: 1 + the number of tokens the model found more likely.
+        rank: the sampled token's: the tokens at least as likely, itself included (vLLM's count);
+            a top token's: its place among them.
         decoded_token: the token decoded alone; None with `SamplingParams.detokenize` off.
     """
 

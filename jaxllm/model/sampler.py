@@ -265,13 +265,14 @@ def _threshold_from_sorted(
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> jax.Array:
     """The log-softmax of raw logits [S, V] at the sampled tokens [S], as one float32 array
-    [S, 2 + 2 * num_top]: per row the token's logprob, its rank (1 + the tokens more likely),
-    the `num_top` most likely token ids, then their logprobs. NOTE: one array, one transfer to
+    [S, 2 + 2 * num_top]: per row the token's logprob, its rank (the tokens at least as likely,
+    itself included, as vLLM counts ties), the `num_top` most likely token ids, then their
+    logprobs. NOTE: one array, one transfer to
     the host; ids and ranks below 2**24 are exact in float32."""
     logits = logits.astype(jnp.float32)
     log_total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [S, 1]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)  # [S, 1]
-    rank = 1 + jnp.sum(logits > chosen, axis=-1, keepdims=True)
+    rank = jnp.sum(logits >= chosen, axis=-1, keepdims=True)
     top_logits, top_ids = top_k(logits, num_top)
     parts = (chosen - log_total, rank, top_ids, top_logits - log_total)
     return jnp.concatenate([part.astype(jnp.float32) for part in parts], axis=-1)

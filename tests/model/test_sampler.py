@@ -18,7 +18,7 @@ from support.sampling import assert_matches, exact_distribution
 
 from jaxllm.model import sampler as sampler_module
 from jaxllm.model.inputs import SamplingInputs, fold_seed
-from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode
+from jaxllm.model.sampler import SAMPLER_MODES, sample, sampler_mode, token_logprobs
 from jaxllm.sampling_params import SamplingParams
 
 NUM_DRAWS = 4096
@@ -437,3 +437,13 @@ def test_banned_tokens_are_never_sampled(mode):
             jax.jit(sample, static_argnames="mode")(jnp.asarray(logits), inputs, mode=mode)
         )
         assert np.isin(tokens, allowed).all()
+
+
+def test_a_tied_tokens_rank_counts_every_token_as_likely():
+    """As vLLM ranks: the tokens whose logprob is at least the token's, itself included."""
+    logits = jnp.asarray([[2.0, 5.0, 5.0, 1.0, 5.0]])
+    values = np.asarray(token_logprobs(logits, jnp.asarray([2]), num_top=2))
+    logprob, rank, *top_ids = values[0, :4]
+    assert rank == 3
+    assert logprob == pytest.approx(5.0 - np.log(np.exp(logits[0]).sum()), abs=1e-6)
+    assert top_ids == [1, 2]  # ties: the lower index first, as lax.top_k
