@@ -30,7 +30,8 @@ class Logprob(NamedTuple):
     """A token's log-probability under the model (vLLM's `Logprob`).
 
     Attributes:
-        logprob: log-softmax of the model's raw logits (before temperature and filters).
+        logprob: log-softmax of the model's raw logits (before temperature and filters), or
+            of the logits sampled from with `logprobs_mode="processed_logprobs"`.
         rank: the sampled token's: the tokens at least as likely, itself included (vLLM's count);
             a top token's: its place among them.
         decoded_token: the token decoded alone; None with `SamplingParams.detokenize` off.
