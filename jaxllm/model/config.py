@@ -74,12 +74,20 @@ class Qwen3Config:
         """Reads a Hugging Face Qwen3 `config.json` (a file, its directory, or its parsed dict).
 
         Raises:
-            ValueError: the architecture, model type or a feature is not supported.
+            ValueError: not a JSON object, a required size missing, or the architecture, model
+                type or a feature not supported.
         """
-        hf = path_or_dict
+        hf, name = path_or_dict, "config.json"
         if not isinstance(hf, dict):
             path = Path(hf)
-            hf = read_json(path / "config.json" if path.is_dir() else path)
+            name = path / "config.json" if path.is_dir() else path
+            hf = read_json(name)
+        if not isinstance(hf, dict):
+            raise ValueError(f"{name} must hold a JSON object, got {type(hf).__name__}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        missing = [key for key in (*required, "num_attention_heads") if key not in hf]
+        if missing:
+            raise ValueError(f"{name} lacks {', '.join(missing)}")
         architectures = hf.get("architectures") or []
         unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
         if unsupported:
@@ -95,6 +103,13 @@ class Qwen3Config:
             raise ValueError("unsupported Qwen3 config: attention_bias=true")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported Qwen3 config: hidden_act={hf['hidden_act']!r}")
+        # NOTE: transformers slides the window over the layers from max_window_layers on.
+        sliding = "sliding_attention" in (hf.get("layer_types") or ()) or (
+            hf.get("use_sliding_window")
+            and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+        )
+        if sliding:
+            raise ValueError("unsupported Qwen3 config: sliding-window attention")
         # NOTE: transformers 5 writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))

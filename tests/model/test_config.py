@@ -70,11 +70,29 @@ def test_from_hf_reads_transformers_5_rope_parameters():
         ({"architectures": None, "model_type": "qwen3_moe"}, "qwen3_moe"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"attention_bias": True}, "attention_bias"),
+        ({"use_sliding_window": True, "max_window_layers": 20}, "sliding-window"),
+        ({"layer_types": ["full_attention"] * 27 + ["sliding_attention"]}, "sliding-window"),
     ],
 )
 def test_from_hf_rejects_unsupported_models_by_name(changes, named):
     with pytest.raises(ValueError, match=named):
         Qwen3Config.from_hf(HF_CONFIG | changes)
+
+
+def test_from_hf_reads_a_window_no_layer_slides():
+    """As Qwen3's published configs: the window off, or on from past the last layer."""
+    for window in ({"use_sliding_window": False, "max_window_layers": 20},
+                   {"use_sliding_window": True, "max_window_layers": 28}):  # fmt: skip
+        assert Qwen3Config.from_hf(HF_CONFIG | window) == PRESETS["qwen3-0.6b"]
+
+
+def test_from_hf_names_a_missing_size_and_a_config_of_another_form(tmp_path):
+    without_heads = {k: v for k, v in HF_CONFIG.items() if k != "num_attention_heads"}
+    with pytest.raises(ValueError, match=r"config\.json lacks num_attention_heads"):
+        Qwen3Config.from_hf(without_heads)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json must hold a JSON object, got list"):
+        Qwen3Config.from_hf(tmp_path)
 
 
 def test_config_is_hashable_and_frozen():
