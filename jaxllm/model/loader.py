@@ -157,7 +157,8 @@ def safetensors_files(path: Path) -> list[Path]:
     """The shard files of a checkpoint directory (from the index when there is one).
 
     Raises:
-        CheckpointError: naming each index entry that is outside the directory or no file.
+        CheckpointError: an index without a weight_map, or naming each index entry that is
+            outside the directory or no file.
     """
     index = path / INDEX_FILE
     if not index.exists():
@@ -165,7 +166,11 @@ def safetensors_files(path: Path) -> list[Path]:
         if not files:
             raise CheckpointError(f"no *.safetensors files in {path}")
         return files
-    names = sorted(set(read_json(index)["weight_map"].values()))
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} holds no weight_map (tensor name -> file)")
+    names = sorted(set(weight_map.values()))
     root, problems = path.resolve(), []
     for name in names:
         file = path / name
@@ -214,7 +219,8 @@ def load_hf_checkpoint(
 
     Raises:
         CheckpointError: naming every missing, unmapped, duplicated, mis-shaped or non-float
-            tensor, and every index entry outside the directory or missing.
+            tensor, and every index entry outside the directory or missing; a file that is not
+            safetensors.
         ValueError: the config.json describes an unsupported model, or one the mesh can't split.
     """
     path = Path(path)
@@ -228,7 +234,10 @@ def load_hf_checkpoint(
     with contextlib.ExitStack() as stack:
         handles, problems = {}, []
         for file in safetensors_files(path):
-            handle = stack.enter_context(safe_open(file, framework="numpy"))
+            try:
+                handle = stack.enter_context(safe_open(file, framework="numpy"))
+            except Exception as error:  # NOTE: safetensors raises its own SafetensorError
+                raise CheckpointError(f"{file} is not a safetensors file: {error}") from None
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 if name in handles:
                     problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
