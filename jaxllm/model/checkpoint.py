@@ -150,7 +150,9 @@ def _describe(leaf: Any, checksum: bool) -> dict[str, Any]:
 def _verify(path: Path, manifest: dict[str, Any], tree: Params, checksum: bool) -> None:
     """Raises a CheckpointError naming every leaf of `tree` whose shape, dtype or (if asked)
     checksum differs from the manifest's, and every leaf that only one of them has."""
-    saved = manifest["leaves"]
+    saved = manifest.get("leaves") if isinstance(manifest, dict) else None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / MANIFEST_FILE} holds no leaves (name -> shape, dtype)")
     found = {name: _describe(leaf, checksum) for name, leaf in flatten_dict(tree, sep="/").items()}
     problems = [f"{name}: in the manifest, not in the model" for name in saved.keys() - found]
     problems += [f"{name}: in the model, not in the manifest" for name in found.keys() - saved]
@@ -167,7 +169,11 @@ def _verify(path: Path, manifest: dict[str, Any], tree: Params, checksum: bool) 
 
 
 def _saved_config(path: Path) -> Qwen3Config:
-    return Qwen3Config(**read_json(path / CONFIG_FILE))
+    fields = read_json(path / CONFIG_FILE)
+    try:
+        return Qwen3Config(**fields)
+    except TypeError as error:  # not a dict, or other keys than Qwen3Config's
+        raise CheckpointError(f"{path / CONFIG_FILE} is not a Qwen3Config: {error}") from None
 
 
 def load_orbax_checkpoint(

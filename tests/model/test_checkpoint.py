@@ -175,6 +175,21 @@ def test_an_orbax_config_out_of_range_is_refused(saved):
         load_params(path)
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (CONFIG_FILE, {"no_such_size": 1}, "is not a Qwen3Config"),
+        (CONFIG_FILE, [1, 2], "is not a Qwen3Config"),
+        (MANIFEST_FILE, {}, "holds no leaves"),
+    ],
+)
+def test_a_config_or_manifest_of_another_form_is_named(saved, name, content, message):
+    path, _, _ = saved
+    (path / name).write_text(json.dumps(content))
+    with pytest.raises(CheckpointError, match=rf"{name} {message}"):
+        load_params(path)
+
+
 def test_available_memory_reads_meminfo_and_falls_back_to_sysconf(tmp_path, monkeypatch):
     cpu = jax.devices("cpu")[0]
     (tmp_path / "meminfo").write_text("MemTotal: 9999 kB\nMemFree: 10 kB\nMemAvailable: 2048 kB\n")
