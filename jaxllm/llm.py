@@ -360,7 +360,9 @@ class LLM:
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
+# Threads that ask for it at once wait for one another (`_shared_lock`), so it is built once.
 _shared: list[tuple[tuple, LLM]] = []
+_shared_lock = threading.Lock()
 
 
 def generate(
@@ -388,10 +390,11 @@ def generate(
         llm = model
     else:
         key = (model, tuple(sorted(engine_kwargs.items())))
-        if not _shared or _shared[0][0] != key:
-            engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
-            check_model(model)
-            _shared.clear()
-            _shared.append((key, LLM(model, **engine_kwargs)))
-        llm = _shared[0][1]
+        with _shared_lock:
+            if not _shared or _shared[0][0] != key:
+                engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
+                check_model(model)
+                _shared.clear()
+                _shared.append((key, LLM(model, **engine_kwargs)))
+            llm = _shared[0][1]
     return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)

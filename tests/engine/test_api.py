@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import re
@@ -158,6 +159,34 @@ def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path, monkey
     ) == llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
+
+
+def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
+    """Threads asking for the same model share one engine, built once; a thread asking for
+    another gets its own model's."""
+    built = []
+
+    class SlowLLM:  # builds slowly, generates its model's name
+        def __init__(self, model, **kwargs):
+            time.sleep(0.2)
+            self.model = model
+            built.append(model)
+
+        def generate(self, prompts, sampling_params, use_tqdm):
+            return self.model
+
+    monkeypatch.setattr(jaxllm.llm, "LLM", SlowLLM)
+    monkeypatch.setattr(jaxllm.llm, "check_model", lambda model: None)
+    monkeypatch.setattr(jaxllm.llm, "_shared", [])
+
+    def run(models: list[str]) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+            return list(pool.map(lambda model: jaxllm.generate("x", model=model), models))
+
+    assert run(["random:a"] * 4) == ["random:a"] * 4
+    assert built == ["random:a"]
+    models = ["random:b", "random:c", "random:b", "random:c"]
+    assert run(models) == models
 
 
 def test_one_call_generate_reuses_its_engine(checkpoint, llm):
