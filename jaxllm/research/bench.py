@@ -236,11 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fixed-lengths takes two lengths of at least 1 token")
     if args.workload and (args.num_seqs is not None or args.request_rate is not None):
         parser.error("--num-seqs and --request-rate do not apply to a --workload: it runs whole")
+    lengths = (args.fixed_lengths, args.max_input_len, args.max_output_len)
+    if args.workload and any(value is not None for value in lengths):
+        parser.error(
+            "--fixed-lengths, --max-input-len and --max-output-len do not apply to a --workload: "
+            "its requests have their own"
+        )
     requests = None
     if args.workload:
         try:
             requests = workload_from_arguments(args)
-        except ValueError as error:
+        except (OSError, ValueError) as error:  # a --trace file missing or malformed
             parser.error(str(error))
         if not requests:
             parser.error("the workload has no requests")
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(prompt) + n for prompt, n in zip(prompts, max_tokens, strict=True))
     if longest > engine_kwargs.get("max_model_len", DEFAULT_MAX_MODEL_LEN):  # else the default
         engine_kwargs["max_model_len"] = longest
-    if args.block_size:
+    if args.block_size is not None:
         engine_kwargs["kvcache_block_size"] = args.block_size
 
     # NOTE: a workload's identical prompts sample identical outputs (seeded by their tokens), as
