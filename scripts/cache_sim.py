@@ -10,6 +10,8 @@ Prints a table; --csv, --json and --plot (a PNG, needs matplotlib) write the res
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
 
@@ -32,11 +34,14 @@ def _int_list(text: str) -> list[int]:
 
 
 def _policy(spec: str) -> str | type[EvictionPolicy]:
-    """A policy name, or "module:Class" for a policy class of your own."""
+    """A policy name, or "module:Class" for a policy class of your own (the module found from
+    the current directory too)."""
     if ":" not in spec:
         return spec
     import importlib
 
+    if os.getcwd() not in sys.path:  # NOTE: a script's own folder is on it, not the caller's
+        sys.path.append(os.getcwd())
     module, name = spec.split(":", 1)
     policy = getattr(importlib.import_module(module), name)
     if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+        if args.step_time < 0:
+            raise ValueError(f"--step-time must be at least 0, got {args.step_time}")
         requests = workload_from_arguments(args)
         generate_seconds = time.perf_counter() - start
         if not requests:
@@ -93,11 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
         )
         sizes = args.cache_blocks or default_cache_sizes(requests, args.block_size)
+        if min(sizes) < 1:
+            raise ValueError(f"--cache-blocks takes sizes of at least 1 block, got {sizes}")
+        smallest = dataclasses.replace(config, num_blocks=min(sizes))
+        for request in requests:  # each fits the smallest cache and max_model_len
+            smallest.check_request(request.prompt_token_ids, request.max_tokens)
         policies = [_policy(name) for name in args.policies.split(",") if name]
         for policy in policies:
             if isinstance(policy, str):
                 make_policy(policy)
-    except (ValueError, ImportError, AttributeError) as error:
+    except (ValueError, ImportError, AttributeError, OSError) as error:
         parser.error(str(error))
     print(
         f"{args.workload}: {len(requests)} requests, "

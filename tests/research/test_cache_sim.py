@@ -272,15 +272,40 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
         ("--policies=lru,bogus", "got 'bogus'"),
         ("--policies=os:path", "os:path is not an EvictionPolicy subclass"),
         ("--groups=0", "the workload has no requests"),
+        ("--cache-blocks=4,0", "--cache-blocks takes sizes of at least 1 block"),
+        ("--step-time=-1", "--step-time must be at least 0"),
+        ("--max-model-len=8", "leaves no room for an output token"),
+        ("--cache-blocks=1", "KV blocks of 256 tokens, but the whole cache has 1"),
+        ("--trace=no/such/trace.jsonl", "no/such/trace.jsonl"),
     ],
 )
 def test_cli_refuses_bad_flags_before_any_simulation(flag, message):
     script = str(ROOT / "scripts" / "cache_sim.py")
-    argv = [sys.executable, script, "--workload=shared-prefix", "--groups=2", flag]
+    workload = "--workload=trace" if flag.startswith("--trace") else "--workload=shared-prefix"
+    argv = [sys.executable, script, workload, "--groups=2", flag]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not result.stdout  # nothing simulated
+
+
+def test_cli_takes_a_policy_class_from_the_current_directory(tmp_path):
+    """As docs/cache-policies.md runs it: `module:Class` from where the command runs."""
+    (tmp_path / "my_policies.py").write_text(
+        "from jaxllm.cache import LRUPolicy\n\nclass Mine(LRUPolicy):\n    name = 'mine'\n"
+    )
+    script = str(ROOT / "scripts" / "cache_sim.py")
+    argv = [sys.executable, script, "--workload=shared-prefix", "--groups=2"]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [*argv, "--policies=lru,my_policies:Mine"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mine" in result.stdout
 
 
 def test_output_tokens_are_those_max_model_len_leaves():
