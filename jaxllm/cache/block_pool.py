@@ -278,12 +278,16 @@ class BlockPool:
             parent_key = self._keys[block_id]
 
     def reset(self) -> None:
-        """Makes every block empty and forgets every cached prefix (the policy hears of each
-        eviction), whatever the ref counts said; for when no sequence holds a block any more,
-        or none can be trusted to (`Scheduler.reset`). Statistics are kept."""
+        """Makes every block empty and forgets every cached prefix, whatever the ref counts
+        said; for when no sequence holds a block any more, or none can be trusted to
+        (`Scheduler.reset`). The policy hears of each cached block's eviction, a held one freed
+        first. Statistics are kept."""
         for block_id in range(self.num_blocks):
-            if self._hashes[block_id] is not None and block_id in self.policy:
-                self.policy.on_evict(block_id)
+            if self._hashes[block_id] is None:
+                continue
+            if block_id not in self.policy:
+                self.policy.on_free(block_id)
+            self.policy.on_evict(block_id)
         self._ref_counts = [0] * self.num_blocks
         self._hashes = [None] * self.num_blocks
         self._tokens = [None] * self.num_blocks

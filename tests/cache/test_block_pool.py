@@ -193,3 +193,29 @@ def test_a_victim_that_is_not_evictable_is_refused_before_anything_changes(choic
     pool.check_integrity([held[1:], spare])
     policy.choice = held[0]
     assert pool.allocate([], 1) == [held[0]]
+
+
+class Recorder(LRUPolicy):
+    """LRU that keeps the blocks it heard were cached and not yet evicted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: set[int] = set()
+
+    def on_cache(self, block_id: int) -> None:
+        self.known.add(block_id)
+
+    def on_evict(self, block_id: int) -> None:
+        super().on_evict(block_id)
+        self.known.discard(block_id)
+
+
+def test_reset_tells_the_policy_of_every_cached_block_held_or_free():
+    policy = Recorder()
+    pool = make_pool(eviction_policy=policy)
+    held = compute(pool, list(range(8)))  # two cached blocks, held
+    pool.free(compute(pool, list(range(100, 108))))  # two cached blocks, free
+    assert len(policy.known) == 4 and len(policy) == 2
+    pool.reset()
+    assert not policy.known and len(policy) == 0
+    assert state(pool) == (0, 0, 8) and held == [0, 1]
