@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.executables import ExecutableStore
+from jaxllm.fields import as_int
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import (
     RANDOM_PREFIX,
@@ -136,13 +137,12 @@ def generation_config(model_path: str) -> tuple[Path, dict[str, Any]]:
 
 def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
     """The tokenizer's eos plus those of the model's generation_config.json."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    own = tokenizer.eos_token_id
+    ids = set() if own is None else {int(own)}
     path, found = generation_config(model_path)
     eos = found.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else eos or []
-    if not all(isinstance(token, int) for token in eos):
+    if not all(as_int(token) is not None and 0 <= token < 2**31 for token in eos):
         raise ValueError(f"{path}: eos_token_id must be token ids, got {eos}")
     ids.update(eos)
     return tuple(sorted(ids))
