@@ -40,6 +40,10 @@ H200_FLOPS = 790e12
 
 # nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].
 MIN_LEN = 100
+# The flags a `--workload` leaves out: its requests come as they are.
+WORKLOAD_IGNORES = (
+    "--num-seqs", "--request-rate", "--fixed-lengths", "--max-input-len", "--max-output-len",
+)  # fmt: skip
 # `--json-schema`: an array of at least 200 small objects, so no output ends before its
 # max_tokens and the batch shrinks as in the unconstrained run.
 BENCH_SCHEMA = {
@@ -234,14 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-seqs must be at least 1")
     if args.fixed_lengths and min(args.fixed_lengths) < 1:
         parser.error("--fixed-lengths takes two lengths of at least 1 token")
-    if args.workload and (args.num_seqs is not None or args.request_rate is not None):
-        parser.error("--num-seqs and --request-rate do not apply to a --workload: it runs whole")
-    lengths = (args.fixed_lengths, args.max_input_len, args.max_output_len)
-    if args.workload and any(value is not None for value in lengths):
-        parser.error(
-            "--fixed-lengths, --max-input-len and --max-output-len do not apply to a --workload: "
-            "its requests have their own"
-        )
+    ignored = [
+        flag for flag in WORKLOAD_IGNORES if getattr(args, flag[2:].replace("-", "_")) is not None
+    ]
+    if args.workload and ignored:
+        parser.error(f"{', '.join(ignored)} do not apply to a --workload: it runs whole")
     requests = None
     if args.workload:
         try:
@@ -250,15 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         if not requests:
             parser.error("the workload has no requests")
-    for flag, value in (
-        ("--max-input-len", args.max_input_len),
-        ("--max-output-len", args.max_output_len),
-    ):
-        if value is not None and value < MIN_LEN:
-            parser.error(
-                f"{flag} must be at least {MIN_LEN}: nano-vllm's workload draws lengths "
-                f"from {MIN_LEN} to it"
-            )
+    for flag in ("--max-input-len", "--max-output-len"):
+        if (getattr(args, flag[2:].replace("-", "_")) or MIN_LEN) < MIN_LEN:
+            parser.error(f"{flag} must be at least {MIN_LEN}: nano-vllm's lengths run from it")
 
     start = time.perf_counter()
     import jax
