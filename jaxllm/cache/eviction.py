@@ -71,7 +71,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def on_evict(self, block_id: int) -> None:
-        """The pool evicted `block_id` (the last `victim()`): drop it and its history."""
+        """The pool evicted `block_id` (the last `victim()`, or any cached block when it
+        resets): drop it and its history."""
 
     @abstractmethod
     def victim(self) -> int:

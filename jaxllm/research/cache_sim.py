@@ -2,7 +2,7 @@
 
 The step loop is the engine's (`Engine.step`): plan step N, then update step N - 1 with its
 tokens; so with the engine's `SchedulerConfig` the simulator admits, evicts and preempts exactly
-as the engine does and reports the same `CacheStats` (tests/engine/test_cache_sim_vs_engine.py).
+as the engine does and reports the same `CacheStats` (tests/research/test_cache_sim_vs_engine.py).
 Requests run with ignore_eos, so each makes its max_tokens (what max_model_len leaves). The
 sampled tokens are synthetic: always `SYNTHETIC_TOKEN`, so, as under greedy decoding, identical
 prompts produce identical outputs (and share their output blocks) and different prompts never
