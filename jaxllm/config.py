@@ -43,7 +43,7 @@ class EngineConfig:
             every step with logprobs computes).
         logprobs_mode: "raw_logprobs": generated tokens' logprobs from the model's logits;
             "processed_logprobs": from the logits each row samples from, after penalties,
-            bias, temperature, top-k, top-p and min-p (removed tokens at -inf). Prompt
+            bias, temperature, min-p, top-k and top-p (removed tokens at -inf). Prompt
             logprobs are raw either way.
 
     Integers may be Python or numpy integers, numbers numpy floats too (stored as Python

@@ -360,7 +360,7 @@ class LLM:
 
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
-# Threads that ask for it at once wait for one another (`_shared_lock`), so it is built once.
+# Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
 _shared: list[tuple[tuple, LLM]] = []
 _shared_lock = threading.Lock()
 
@@ -387,14 +387,12 @@ def generate(
                 f"engine arguments ({', '.join(sorted(engine_kwargs))}) with an LLM as the "
                 "model: it is already built"
             )
-        llm = model
-    else:
-        key = (model, tuple(sorted(engine_kwargs.items())))
-        with _shared_lock:
-            if not _shared or _shared[0][0] != key:
-                engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
-                check_model(model)
-                _shared.clear()
-                _shared.append((key, LLM(model, **engine_kwargs)))
-            llm = _shared[0][1]
-    return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return model.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    key = (model, tuple(sorted(engine_kwargs.items())))
+    with _shared_lock:  # NOTE: through the call: no other engine is built while this one runs
+        if not _shared or _shared[0][0] != key:
+            engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
+            check_model(model)
+            _shared.clear()
+            _shared.append((key, LLM(model, **engine_kwargs)))
+        return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)

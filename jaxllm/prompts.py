@@ -5,7 +5,8 @@ One prompt is:
   - a string: text, which the caller tokenizes;
   - token ids: a list or tuple of integers (numpy's included, bools not), or a 1-d numpy array
     of an integer dtype;
-  - vLLM's `TextPrompt` {"prompt": str} or `TokensPrompt` {"prompt_token_ids": token ids}.
+  - vLLM's `TextPrompt` {"prompt": str} or `TokensPrompt` {"prompt_token_ids": token ids}, which
+    may hold the "prompt" its ids came from (the output's prompt).
 
 A call takes one prompt or an ordered collection of them (a list, a tuple, an iterator). A list
 whose first item is a number is one prompt of token ids, as in vLLM. Collections without an order

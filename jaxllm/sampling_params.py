@@ -86,8 +86,10 @@ class SamplingParams:
     Attributes:
         temperature: 0 means greedy; otherwise logits are divided by it. Range [0, inf).
         top_k: keep the k most likely tokens; 0 (or -1) keeps all.
-        top_p: keep the smallest set of tokens whose probability reaches top_p. Range (0, 1].
-        min_p: drop tokens whose probability is below min_p times the top one. Range [0, 1].
+        top_p: keep the smallest set of tokens whose probability, among those min-p and top-k
+            keep, reaches top_p. Range (0, 1].
+        min_p: drop tokens whose probability is below min_p times the top one (before top-k
+            and top-p, as vLLM). Range [0, 1].
         max_tokens: generate at most this many tokens. Range [1, inf); None: as many as
             max_model_len leaves (vLLM's meaning).
         min_tokens: eos and stop_token_ids are not sampled, and stop strings not matched in

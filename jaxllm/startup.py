@@ -141,9 +141,9 @@ def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
     ids = set() if own is None else {int(own)}
     path, found = generation_config(model_path)
     eos = found.get("eos_token_id")
-    eos = [eos] if isinstance(eos, int) else eos or []
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(as_int(token) is not None and 0 <= token < 2**31 for token in eos):
-        raise ValueError(f"{path}: eos_token_id must be token ids, got {eos}")
+        raise ValueError(f"{path}: eos_token_id must be token ids, got {eos!r}")
     ids.update(eos)
     return tuple(sorted(ids))
 

@@ -42,11 +42,11 @@ def test_sampling_defaults_are_the_models_under_the_flags(capsys, monkeypatch):
     from jaxllm import SamplingParams
     from jaxllm.llm import LLM
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
     monkeypatch.setattr(LLM, "get_default_sampling_params", lambda self: greedy)
     texts = []
     for seed in ("1", "2"):
-        assert main(["generate", "A", *SMALL, "--seed", seed]) == 0
+        assert main(["generate", "A", *SMALL, "--seed", seed, "--ignore-eos"]) == 0
         ((text, _),) = completions(out := capsys.readouterr().out)
         assert "--- 5 tokens" in out
         texts.append(text)

@@ -131,7 +131,7 @@ def test_incremental_detokenizer_equals_full_decode(tokenizer):
         assert not any("\ufffd" in delta for delta in deltas)
 
 
-def test_incremental_detokenizer_chunks_prompt_and_unknown_ids(tokenizer):
+def test_incremental_detokenizer_takes_chunks_and_unknown_ids(tokenizer):
     prompt = tokenizer.encode("Say: ")
     ids = tokenizer.encode(MULTI_BYTE_TEXT)
     detokenizer = IncrementalDetokenizer(tokenizer)
@@ -141,7 +141,7 @@ def test_incremental_detokenizer_chunks_prompt_and_unknown_ids(tokenizer):
     assert text == "Say: " + MULTI_BYTE_TEXT
 
 
-def test_incomplete_character_held_back_then_flushed(tokenizer):
+def test_incomplete_character_held_back_until_completed(tokenizer):
     ids = tokenizer.encode("👩\u200d👩")  # the zero-width joiner's 3 bytes span two tokens
     assert len(ids) == 4
     detokenizer = IncrementalDetokenizer(tokenizer)

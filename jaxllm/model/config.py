@@ -84,8 +84,8 @@ class Qwen3Config:
             hf = read_json(name)
         if not isinstance(hf, dict):
             raise ValueError(f"{name} must hold a JSON object, got {type(hf).__name__}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-        missing = [key for key in (*required, "num_attention_heads") if key not in hf]
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        missing = [key for key in (*sizes, "num_attention_heads") if key not in hf]
         if missing:
             raise ValueError(f"{name} lacks {', '.join(missing)}")
         architectures = hf.get("architectures") or []
@@ -106,7 +106,7 @@ class Qwen3Config:
         # NOTE: transformers slides the window over the layers from max_window_layers on.
         sliding = "sliding_attention" in (hf.get("layer_types") or ()) or (
             hf.get("use_sliding_window")
-            and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+            and (hf.get("max_window_layers") or 0) < hf["num_hidden_layers"]
         )
         if sliding:
             raise ValueError("unsupported Qwen3 config: sliding-window attention")

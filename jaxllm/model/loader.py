@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config, read_json
@@ -236,7 +236,7 @@ def load_hf_checkpoint(
         for file in safetensors_files(path):
             try:
                 handle = stack.enter_context(safe_open(file, framework="numpy"))
-            except Exception as error:  # NOTE: safetensors raises its own SafetensorError
+            except SafetensorError as error:
                 raise CheckpointError(f"{file} is not a safetensors file: {error}") from None
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 if name in handles:

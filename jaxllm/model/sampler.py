@@ -175,7 +175,16 @@ def uniform_open(bits: jax.Array) -> jax.Array:
 
 
 def _top_k_top_p_threshold(
-    scaled, ratio, row_max, top_k, top_p, min_p, filtered, block_size, num_blocks, fallback=True
+    scaled,
+    ratio,
+    row_max,
+    top_k,
+    top_p,
+    min_p,
+    filtered,
+    block_size: int,
+    num_blocks: int,
+    fallback: bool = True,
 ) -> jax.Array:
     """[S] smallest scaled logit that top-k and top-p keep, of the tokens min-p keeps (-inf
     where a row filters nothing); `scaled` and `ratio` are [S, V], the other arrays [S].
@@ -192,9 +201,9 @@ def _top_k_top_p_threshold(
     # NOTE: the top-k mass over the whole row: tokens tied with the k-th largest count even
     # when they lie outside the candidates.
     k_mass = jnp.sum(jnp.where(scaled >= k_threshold[:, None], ratio, 0.0), axis=-1)
-    threshold = _threshold_from_sorted(candidates, row_max, full_mass, top_k, top_p, min_p, k_mass)[
-        0
-    ]
+    threshold, _ = _threshold_from_sorted(
+        candidates, row_max, full_mass, top_k, top_p, min_p, k_mass
+    )
     if not fallback:
         return jnp.where(filtered, threshold, -jnp.inf)
     # NOTE: otherwise a threshold above the bound means that every token kept is a candidate and

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if not requests:
             parser.error("the workload has no requests")
     for flag in ("--max-input-len", "--max-output-len"):
-        if (getattr(args, flag[2:].replace("-", "_")) or MIN_LEN) < MIN_LEN:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value < MIN_LEN:
             parser.error(f"{flag} must be at least {MIN_LEN}: nano-vllm's lengths run from it")
 
     start = time.perf_counter()

@@ -11,10 +11,10 @@ import numpy as np
 from jaxllm.fields import Check, as_int, check_fields
 
 _AT_LEAST_ONE: Check = (as_int, lambda n: n >= 1, "an integer >= 1")
-_CHECKS: dict[str, Check] = dict.fromkeys(
-    ("num_blocks", "block_size", "max_num_seqs", "prefill_tile", "num_scheduler_steps"),
-    _AT_LEAST_ONE,
-) | {"max_model_len": (as_int, lambda n: n >= 2, "an integer >= 2")}
+_SIZES = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_tile")
+_CHECKS: dict[str, Check] = dict.fromkeys((*_SIZES, "num_scheduler_steps"), _AT_LEAST_ONE) | {
+    "max_model_len": (as_int, lambda n: n >= 2, "an integer >= 2")
+}
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,6 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-
         check_fields(self, _CHECKS, prefix="SchedulerConfig.")
         tile = self.prefill_tile
         if self.max_num_batched_tokens < tile or self.max_num_batched_tokens % tile:

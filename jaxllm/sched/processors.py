@@ -6,9 +6,9 @@ when it is admitted and gives it back when it is preempted, finishes or is relea
 that admits it writes its rows whole from the tokens the host holds. The plan edits the bias row
 where the bans change (`banned_now`). Its stop tokens are banned until min_tokens are out
 (vLLM's min_tokens), which the plan knows from the positions it computes. A bad word of several
-tokens bans its last token while the output ends with the ones before it, which the plan reads
-from the output the host holds, so the engine applies a step's tokens before it plans the next
-for such sequences (`Scheduler.needs_host_tokens`).
+tokens bans its last token while the output ends with the ones before it (unless that would ban
+every allowed token), which the plan reads from the output the host holds, so the engine applies
+a step's tokens before it plans the next for such sequences (`Scheduler.needs_host_tokens`).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ class ProcessorSlots:
         self.new: set[int] = set()
         self.num_needing_host_tokens = 0
 
-    def count(self, seq: Sequence, live: int) -> None:
-        """Counts a sequence that became live (`live` 1) or finished (-1)."""
+    def count(self, seq: Sequence, change: int) -> None:
+        """Counts a sequence that became live (`change` 1) or finished (-1)."""
         if seq.processors is not None and seq.processors.has_multi_token_words:
-            self.num_needing_host_tokens += live
+            self.num_needing_host_tokens += change
 
     def assign(self, seq: Sequence) -> None:
         if seq.processors is not None:

@@ -163,16 +163,20 @@ def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path, monkey
 
 def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
     """Threads asking for the same model share one engine, built once; a thread asking for
-    another gets its own model's."""
-    built = []
+    another gets its own model's, built when no other engine runs."""
+    built, running, built_while_running = [], [], []
 
-    class SlowLLM:  # builds slowly, generates its model's name
+    class SlowLLM:  # builds and generates slowly; generates its model's name
         def __init__(self, model, **kwargs):
+            built_while_running.extend(running)
             time.sleep(0.2)
             self.model = model
             built.append(model)
 
         def generate(self, prompts, sampling_params, use_tqdm):
+            running.append(self.model)
+            time.sleep(0.05)
+            running.remove(self.model)
             return self.model
 
     monkeypatch.setattr(jaxllm.llm, "LLM", SlowLLM)
@@ -187,6 +191,7 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
     assert built == ["random:a"]
     models = ["random:b", "random:c", "random:b", "random:c"]
     assert run(models) == models
+    assert not built_while_running
 
 
 def test_one_call_generate_reuses_its_engine(checkpoint, llm):

@@ -247,7 +247,7 @@ def test_model_files_that_are_not_json_or_name_no_token_ids_are_named(tmp_path):
     tokenizer = SimpleNamespace(eos_token_id=1)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 3]}')
     assert eos_token_ids(tokenizer, str(tmp_path)) == (1, 2, 3)
-    for eos in ('"x"', "[true]", "[-1]", "[1099511627776]"):
+    for eos in ('"x"', '"12"', "2.0", "[true]", "[-1]", "[1099511627776]"):
         (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": {eos}}}')
         with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be"):
             eos_token_ids(tokenizer, str(tmp_path))

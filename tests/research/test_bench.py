@@ -97,6 +97,7 @@ def test_bench_repeat_needs_fixed_lengths(capsys):
         (["--tp", "3"], "tensor_parallel_size must be 1, 2, 4 or 8"),
         (["--block-size", "7"], "kvcache_block_size must be"),
         (["--block-size", "0"], "kvcache_block_size must be"),
+        (["--max-input-len", "0"], "--max-input-len must be at least 100"),
         (["--workload", "prefix-repetition", "--fixed-lengths", "8", "8"], "do not apply"),
         (["--workload", "prefix-repetition", "--max-input-len", "200"], "do not apply"),
         (["--workload", "trace", "--trace", "no/such/trace.jsonl"], "no/such/trace"),
