@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from jaxllm.llm import LLM, generate
+    from jaxllm.llm import LLM
+    from jaxllm.notebook import generate
     from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = [
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "jaxllm.llm",
-    "generate": "jaxllm.llm",
+    "generate": "jaxllm.notebook",
     **dict.fromkeys(("CompletionOutput", "Logprob", "RequestOutput"), "jaxllm.outputs"),
 }
 

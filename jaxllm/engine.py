@@ -170,6 +170,14 @@ class Engine:
         self.scheduler.reset()
         self.runner.reset()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache: True, or False while a sequence is live (nothing changed)."""
+        if self.scheduler.has_unfinished():
+            return False
+        self._require_idle("reset_prefix_cache")  # drops a step left in flight
+        self.scheduler.reset()
+        return True
+
     def update_params(self, params, donate: bool = False) -> None:
         """New weights (`ModelRunner.update_params`); the prefix cache, which holds the old
         weights' KV, is emptied."""

@@ -1,4 +1,4 @@
-"""The public API: `LLM` (vLLM / nano-vllm names) and the one-call `jaxllm.generate`."""
+"""The public API: `LLM`, with vLLM's names (the one-call `jaxllm.generate`: `jaxllm.notebook`)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,16 @@ class LLM:
     def cache_stats(self) -> CacheStats:
         """Prefix-cache statistics: queried and hit tokens, hit rate, evictions, blocks."""
         return self.engine.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (its statistics kept), as vLLM's: True, or False while
+        requests run (a stream not yet exhausted), leaving it as it was."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name for `tokenizer`)."""
+        return self.tokenizer
 
     def save(self, path: str | Path, overwrite: bool = False) -> None:
         """Saves the model as a directory that `LLM(path)` loads back, verifying it: the params
@@ -357,42 +367,3 @@ class LLM:
             gc.unfreeze()
         self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]
-
-
-# NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
-# Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
-_shared: list[tuple[tuple, LLM]] = []
-_shared_lock = threading.Lock()
-
-
-def generate(
-    prompts: Prompt | Sequence[Prompt],
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    *,
-    model: LLM | str | os.PathLike | None = None,
-    use_tqdm: bool = True,
-    **engine_kwargs: Any,
-) -> list[RequestOutput]:
-    """One call from a notebook: `LLM.generate` with `model` (an LLM, a model string, or None
-    for the embedded default). The engine is built once per (model, engine_kwargs), reused until
-    a call asks for another, and dropped before another is built; arguments refused by their
-    checks (names, types, ranges) keep it.
-
-    Raises:
-        TypeError, ValueError: as `LLM` and `LLM.generate` do; engine_kwargs with an LLM.
-    """
-    if isinstance(model, LLM):
-        if engine_kwargs:
-            raise TypeError(
-                f"engine arguments ({', '.join(sorted(engine_kwargs))}) with an LLM as the "
-                "model: it is already built"
-            )
-        return model.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-    key = (model, tuple(sorted(engine_kwargs.items())))
-    with _shared_lock:  # NOTE: through the call: no other engine is built while this one runs
-        if not _shared or _shared[0][0] != key:
-            engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
-            check_model(model)
-            _shared.clear()
-            _shared.append((key, LLM(model, **engine_kwargs)))
-        return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)

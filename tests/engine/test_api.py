@@ -17,6 +17,7 @@ import pytest
 from support.engine import BASE_SETTINGS, assert_idle, greedy_params
 
 import jaxllm
+import jaxllm.notebook
 from jaxllm import LLM, SamplingParams, startup
 from jaxllm.cache import LRUPolicy
 from jaxllm.runner import ModelRunner
@@ -52,6 +53,24 @@ def test_stream_equals_generate(text_llm, params):
     assert joined(deltas) == (output.text, output.token_ids)
     assert len(deltas) >= len(output.token_ids)  # a delta per step
     assert_idle(text_llm)
+
+
+def test_reset_prefix_cache_empties_it_unless_requests_run(llm):
+    """vLLM's `reset_prefix_cache`: the prompt run again hits nothing after it, and while a
+    stream runs it refuses (False) and changes nothing."""
+    prompt, params = list(range(1, 60)), greedy_params(4)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    stream = llm.stream(prompt, params)
+    next(stream)
+    assert llm.reset_prefix_cache() is False
+    assert list(stream)
+    assert llm.reset_prefix_cache() is True
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
+    (cached,) = llm.generate([prompt], params, use_tqdm=False)
+    assert cached.num_cached_tokens > 0
+    assert llm.get_tokenizer() is llm.tokenizer
+    assert_idle(llm)
 
 
 def test_detokenize_off_leaves_the_text_empty_and_the_tokens_unnamed(text_llm):
@@ -179,9 +198,9 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
             running.remove(self.model)
             return self.model
 
-    monkeypatch.setattr(jaxllm.llm, "LLM", SlowLLM)
-    monkeypatch.setattr(jaxllm.llm, "check_model", lambda model: None)
-    monkeypatch.setattr(jaxllm.llm, "_shared", [])
+    monkeypatch.setattr(jaxllm.notebook, "LLM", SlowLLM)
+    monkeypatch.setattr(jaxllm.notebook, "check_model", lambda model: None)
+    monkeypatch.setattr(jaxllm.notebook, "_shared", [])
 
     def run(models: list[str]) -> list[str]:
         with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
@@ -199,9 +218,9 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
     params = SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
     try:
         first = jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **settings)
-        engine = jaxllm.llm._shared[0][1]
+        engine = jaxllm.notebook._shared[0][1]
         second = jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **settings)
-        assert jaxllm.llm._shared[0][1] is engine
+        assert jaxllm.notebook._shared[0][1] is engine
         assert engine.engine.stats.prefill.steps == 2
         assert first[0].token_ids == second[0].token_ids
         assert len(first[0].token_ids) == 6
@@ -209,44 +228,44 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
         steps = llm.engine.stats.prefill.steps
         jaxllm.generate([[1, 2, 3]], params, model=llm, use_tqdm=False)
         assert llm.engine.stats.prefill.steps == steps + 1
-        assert jaxllm.llm._shared[0][1] is engine
+        assert jaxllm.notebook._shared[0][1] is engine
         with pytest.raises(TypeError, match="engine arguments \\(max_num_seqs\\) with an LLM"):
             jaxllm.generate([[1, 2, 3]], params, model=llm, max_num_seqs=2)
         # Arguments refused before the engine built before is dropped.
         for bad in ({"max_num_seq": 4}, {"max_num_seqs": 0}):
             with pytest.raises((TypeError, ValueError), match="max_num_seq"):
                 jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **bad)
-            assert jaxllm.llm._shared[0][1] is engine
+            assert jaxllm.notebook._shared[0][1] is engine
         # A policy instance serves one LLM: refused for another before the shared one is dropped.
         policy = LRUPolicy()
         kwargs = dict(model=str(checkpoint.path), eviction_policy=policy, **settings)
         jaxllm.generate([[1, 2, 3]], params, **kwargs)
-        engine = jaxllm.llm._shared[0][1]
+        engine = jaxllm.notebook._shared[0][1]
         with pytest.raises(ValueError, match="LRUPolicy instance already serves another LLM"):
             jaxllm.generate([[1, 2, 3]], params, **(kwargs | {"max_num_seqs": 2}))
-        assert jaxllm.llm._shared[0][1] is engine
+        assert jaxllm.notebook._shared[0][1] is engine
         jaxllm.generate([[1, 2, 3]], params, **kwargs)  # the same arguments: the same engine
-        assert jaxllm.llm._shared[0][1] is engine
+        assert jaxllm.notebook._shared[0][1] is engine
         # LLM.generate's name of the sampling params
         third = jaxllm.generate(
             [[1, 2, 3]], sampling_params=params, model=str(checkpoint.path), **settings
         )
         assert third[0].token_ids == first[0].token_ids
     finally:
-        jaxllm.llm._shared.clear()
+        jaxllm.notebook._shared.clear()
 
 
 def test_one_call_generate_with_the_embedded_default():
     try:
         (output,) = jaxllm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        llm = jaxllm.llm._shared[0][1]
+        llm = jaxllm.notebook._shared[0][1]
         assert llm.model == "random:qwen3-tiny"
         # The CPU defaults: a small ladder, compiled as requests need it.
         assert (llm.config.max_num_seqs, llm.config.compile_at_startup) == (16, False)
         assert llm.num_executables <= 4
         assert len(output.token_ids) == 2
     finally:
-        jaxllm.llm._shared.clear()
+        jaxllm.notebook._shared.clear()
 
 
 def test_startup_phases_account_for_the_compile(checkpoint, monkeypatch):

@@ -1,0 +1,53 @@
+"""One call from a notebook: `jaxllm.generate`, with the one engine it keeps between calls."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from jaxllm.config import EngineConfig
+from jaxllm.llm import LLM
+from jaxllm.outputs import RequestOutput
+from jaxllm.prompts import Prompt
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.startup import check_model
+
+# NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
+# Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
+_shared: list[tuple[tuple, LLM]] = []
+_shared_lock = threading.Lock()
+
+
+def generate(
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    model: LLM | str | os.PathLike | None = None,
+    use_tqdm: bool = True,
+    **engine_kwargs: Any,
+) -> list[RequestOutput]:
+    """One call from a notebook: `LLM.generate` with `model` (an LLM, a model string, or None
+    for the embedded default). The engine is built once per (model, engine_kwargs), reused until
+    a call asks for another, and dropped before another is built; arguments refused by their
+    checks (names, types, ranges) keep it.
+
+    Raises:
+        TypeError, ValueError: as `LLM` and `LLM.generate` do; engine_kwargs with an LLM.
+    """
+    if isinstance(model, LLM):
+        if engine_kwargs:
+            raise TypeError(
+                f"engine arguments ({', '.join(sorted(engine_kwargs))}) with an LLM as the "
+                "model: it is already built"
+            )
+        return model.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    key = (model, tuple(sorted(engine_kwargs.items())))
+    with _shared_lock:  # NOTE: through the call: no other engine is built while this one runs
+        if not _shared or _shared[0][0] != key:
+            engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
+            check_model(model)
+            _shared.clear()
+            _shared.append((key, LLM(model, **engine_kwargs)))
+        return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)
