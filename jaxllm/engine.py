@@ -19,7 +19,7 @@ from jaxllm.request import Request, TokenTexts, completion_params
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, StepPlan
-from jaxllm.sched.processors import SequenceProcessors, bad_word_ids
+from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
 from jaxllm.structured import Grammars, grammar_rows
 
@@ -130,13 +130,13 @@ class Engine:
         # NOTE: a word with a token past the model's vocabulary can never be generated.
         words = tuple(word for word in words if max(word) < vocab)
         if params.allowed_token_ids:
-            banned = {word[0] for word in words if len(word) == 1}
-            if banned >= {*params.allowed_token_ids}:
+            allowed, banned = {*params.allowed_token_ids}, one_token_words(words)
+            if banned >= allowed:
                 raise ValueError(
                     "SamplingParams.allowed_token_ids holds only tokens that bad_words bans: "
                     "nothing is left to sample"
                 )
-            if params.min_tokens and banned | stops >= {*params.allowed_token_ids}:
+            if params.min_tokens and banned | stops >= allowed:
                 raise ValueError(
                     "SamplingParams.allowed_token_ids holds only stop tokens (eos, "
                     "stop_token_ids) and tokens that bad_words bans; min_tokens bans the stop "

@@ -276,8 +276,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> jax.Ar
     """The log-softmax of raw logits [S, V] at the sampled tokens [S], as one float32 array
     [S, 2 + 2 * num_top]: per row the token's logprob, its rank (the tokens at least as likely,
     itself included, as vLLM counts ties), the `num_top` most likely token ids, then their
-    logprobs. NOTE: one array, one transfer to
-    the host; ids and ranks below 2**24 are exact in float32."""
+    logprobs. NOTE: one array, one transfer to the host; ids and ranks below 2**24 are exact in
+    float32."""
     logits = logits.astype(jnp.float32)
     log_total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [S, 1]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)  # [S, 1]

@@ -111,6 +111,11 @@ def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ..
     return tuple(word for word in ids if word)
 
 
+def one_token_words(words: tuple[tuple[int, ...], ...]) -> set[int]:
+    """The tokens of the bad words of one token: banned at every step (`static_bias`)."""
+    return {word[0] for word in words if len(word) == 1}
+
+
 def banned_now(seq: Sequence, num_outputs: int) -> frozenset[int]:
     """The tokens banned where `seq` samples the output token that follows `num_outputs` of
     them: its stop tokens while fewer than min_tokens are out; the last tokens of the
@@ -128,10 +133,8 @@ def banned_now(seq: Sequence, num_outputs: int) -> frozenset[int]:
     if num_outputs < seq.params.min_tokens:  # NOTE: a tokenizer's eos may lie past the model's
         stops = frozenset(token for token in seq.stop_token_ids if token < vocab)
     allowed = seq.params.allowed_token_ids
-    if banned and allowed is not None:
-        single = {word[0] for word in words if len(word) == 1}
-        if banned | stops | single >= {*allowed}:
-            banned = frozenset()
+    if banned and allowed is not None and banned | stops | one_token_words(words) >= {*allowed}:
+        banned = frozenset()
     return banned | stops
 
 
@@ -145,9 +148,7 @@ def static_bias(seq: Sequence) -> np.ndarray:
         allowed = np.zeros(vocab, bool)
         allowed[list(params.allowed_token_ids)] = True
         bias[~allowed] = -np.inf
-    for word in seq.processors.bad_words:
-        if len(word) == 1:
-            bias[word[0]] = -np.inf
+    bias[list(one_token_words(seq.processors.bad_words))] = -np.inf
     return bias
 
 
