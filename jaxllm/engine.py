@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,16 @@ from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
 from jaxllm.structured import Grammars, grammar_rows
+
+
+class _Checked(NamedTuple):
+    """A step's tokens, read back at `time`, and what its constrained rows keep of them."""
+
+    plan: StepPlan
+    sampled: np.ndarray
+    logprobs: np.ndarray | None
+    accepted: dict[int, int]
+    time: float
 
 
 class Engine:
@@ -231,19 +242,22 @@ class Engine:
         the outputs of the requests that finished.
 
         Outputs arrive one call after their last step. While the plan needs every sampled token
-        on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), or after a
-        speculative plan (`StepPlan.speculative`), the previous step's tokens are applied first.
-        A plan with grammars gets its masks from `_masks`. A step that raises (a device error,
-        an interrupt it did not hold back) resets the engine first (`reset`).
+        on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
+        step's tokens are applied first; after a speculative plan (`StepPlan.speculative`),
+        checked first (`_plan_past_speculation`). A plan with grammars gets its masks from
+        `_masks`. A step that raises (a device error, an interrupt it did not hold back) resets
+        the engine first (`reset`).
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         seconds = {"wait": 0.0, "masks": 0.0, "masks_late": 0}
         try:
-            speculated = self._in_flight is not None and self._in_flight[0].speculative
-            if self.scheduler.needs_host_tokens or speculated:
-                outputs += self._apply_in_flight(seconds)
             plan, self._next_plan = self._next_plan, None
+            checked = None  # the step before, checked, to apply once this one is dispatched
+            if self._in_flight is not None and self._in_flight[0].speculative:
+                plan, checked = self._plan_past_speculation(seconds, outputs)
+            elif self.scheduler.needs_host_tokens:
+                outputs += self._apply_in_flight(seconds)
             if plan is None:
                 plan = self.scheduler.schedule()
             dispatch_start, waited = time.perf_counter(), seconds["wait"]
@@ -256,6 +270,8 @@ class Engine:
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
             dispatch_seconds = time.perf_counter() - dispatch_start - (seconds["wait"] - waited)
+            if checked is not None:
+                outputs += self._apply(checked)
             outputs += self._apply_in_flight(seconds)
         except BaseException:
             self.reset()
@@ -272,14 +288,32 @@ class Engine:
             kind.masks_late_steps += seconds["masks_late"]
         return outputs
 
+    def _plan_past_speculation(
+        self, seconds: dict[str, float], outputs: list[RequestOutput]
+    ) -> tuple[StepPlan | None, _Checked | None]:
+        """With a speculative plan in flight: the next plan of several steps, planned while the
+        device runs it (`Scheduler.plan_ahead`), and the plan in flight with its tokens
+        checked, to apply once the next is dispatched. Its mask, filled then, is what the host
+        adds between the two. Or (None, None), the plan in flight applied, where the check
+        refused a token the next plan took as kept (undone) or none was planned."""
+        scheduler = self.scheduler
+        ahead = None if scheduler.needs_host_tokens else scheduler.plan_ahead()
+        (plan, result), self._in_flight = self._in_flight, None
+        checked = self._check(plan, result, seconds)
+        if ahead is not None and scheduler.holds(ahead, plan, checked.accepted):
+            self.grammars.speculation.plans_ahead += 1
+            return ahead, checked
+        if ahead is not None:
+            scheduler.unplan(ahead)
+        outputs += self._apply(checked)
+        return None, None
+
     def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
-        """Applies the step in flight, if any (`_update`), adding its wait to `seconds`."""
+        """Applies the step in flight, if any, adding its wait to `seconds`."""
         if self._in_flight is None:
             return []
         in_flight, self._in_flight = self._in_flight, None
-        finished, waited = self._update(*in_flight)
-        seconds["wait"] += waited
-        return finished
+        return self._apply(self._check(*in_flight, seconds))
 
     def _masks(self, plan: StepPlan, seconds: dict, outputs: list, forward) -> np.ndarray:
         """`plan`'s token bitmask, filled after the step in flight is applied (its tokens advance
@@ -297,25 +331,30 @@ class Engine:
             seconds["masks_late"] += forward.done() and forward.result().is_ready()
         return bitmask
 
-    def _update(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], float]:
-        """Waits for a step's tokens and applies them; returns the outputs of the requests that
-        finished, and the seconds spent waiting."""
+    def _check(self, plan: StepPlan, result: StepResult, seconds: dict) -> _Checked:
+        """Waits for a step's tokens (adding the wait to `seconds`) and checks them against
+        their grammars (`Scheduler.check`)."""
         wait_start = time.perf_counter()
         sampled = np.asarray(result.tokens)
         logprobs = None if result.logprobs is None else np.asarray(result.logprobs)
         now = time.perf_counter()
-        finished = self.scheduler.update(plan, sampled, logprobs)
+        seconds["wait"] += now - wait_start
+        return _Checked(plan, sampled, logprobs, self.scheduler.check(plan, sampled), now)
+
+    def _apply(self, checked: _Checked) -> list[RequestOutput]:
+        """Applies a step's checked tokens; returns the outputs of the requests that finished."""
+        plan, sampled, logprobs, accepted, now = checked
+        finished = self.scheduler.update(plan, sampled, logprobs, accepted)
         for seq, samples in zip(plan.seqs, plan.samples, strict=True):
             request = self._by_seq.get(seq.seq_id)
             if samples and request is not None and request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
         done = {self._by_seq[seq.seq_id] for seq in finished if seq.seq_id in self._by_seq}
-        outputs = [
+        return [
             self._output(request, now)
             for request in sorted(done, key=lambda request: request.request_id)
             if all(seq.is_finished for seq in request.seqs)
         ]
-        return outputs, now - wait_start
 
     def _output(self, request: Request, now: float) -> RequestOutput:
         """The output of a request whose completions all finished; forgets the request."""

@@ -58,12 +58,14 @@ ACCEPTANCE_DECAY = 0.75
 
 @dataclasses.dataclass
 class Speculation:
-    """Constrained rows' tokens past the first in plans of several steps, those accepted, and
-    the host's seconds checking them (their masks filled; the device waits for the next plan)."""
+    """Constrained rows' tokens past the first in plans of several steps, those accepted, the
+    host's seconds checking them (their masks filled; the device waits for the next plan), and
+    the plans planned before the tokens of the one before were checked (`Engine.step`)."""
 
     tokens: int = 0
     accepted: int = 0
     seconds: float = 0.0
+    plans_ahead: int = 0
 
 
 class SequenceGrammar:

@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "speculated_tokens": llm.engine.grammars.speculation.tokens,
         "speculated_tokens_accepted": llm.engine.grammars.speculation.accepted,
         "speculation_check_s": llm.engine.grammars.speculation.seconds,
+        "speculative_plans_ahead": llm.engine.grammars.speculation.plans_ahead,
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "startup_phases_s": llm.startup_seconds,

@@ -153,7 +153,36 @@ class Scheduler:
                 # NOTE: unreachable while `new_sequence` refuses what can never fit; fail loudly.
                 raise RuntimeError(f"{self.waiting[0]} cannot be admitted into an idle cache")
             return None
-        kind, seqs, counts = chunks
+        return self._plan(*chunks)
+
+    def plan_ahead(self) -> StepPlan | None:
+        """The next decode plan of several steps, planned while the device runs one such plan
+        whose tokens are not checked yet, as if it keeps them all; None, changing nothing,
+        unless every running sequence takes it short of its last token (`_multi_step_counts`).
+        `holds` tells, once the tokens are checked, whether it still stands; else `unplan`."""
+        if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
+            return None  # a prefill comes first
+        counts = self._multi_step_counts(short_of_last=True)
+        return None if counts is None else self._plan("decode", list(self.running), counts)
+
+    def holds(self, ahead: StepPlan, plan: StepPlan, accepted: dict[int, int]) -> bool:
+        """Whether `ahead` (`plan_ahead`) stands after `plan`'s tokens were checked (`check`):
+        every constrained row of `plan` kept them all, and `ahead`'s grammars go on (live, and
+        still speculating: `SequenceGrammar.settle`)."""
+        if any(kept < plan.num_new_tokens[row] for row, kept in accepted.items()):
+            return False
+        grammars = [seq.grammar for seq in ahead.seqs if seq.grammar is not None]
+        return all(g.speculates and not g.is_terminated for g in grammars)
+
+    def unplan(self, plan: StepPlan) -> None:
+        """Undoes a plan of `plan_ahead` that is not run: its sequences go back to its start,
+        the blocks it added are freed."""
+        for seq, start in zip(plan.seqs, plan.start_positions, strict=True):
+            seq.num_computed_tokens = start
+            self.block_pool.truncate(seq.block_table, start, seq.params.extra_args)
+
+    def _plan(self, kind: str, seqs: list[Sequence], counts: list[int]) -> StepPlan:
+        """The plan of `counts[i]` new tokens of each of `seqs`, recorded as computed."""
         starts = [seq.num_computed_tokens for seq in seqs]
         num_steps = self.ladder.num_steps if kind == "decode" and max(counts) > 1 else 1
         all_rows = kind == "prefill" and seqs[0].wants_prompt_logprobs  # then it is alone
@@ -173,6 +202,7 @@ class Scheduler:
         plan: StepPlan,
         sampled_token_ids: SequenceOf[int] | np.ndarray,
         logprobs: np.ndarray | None = None,
+        accepted: dict[int, int] | None = None,
     ) -> list[Sequence]:
         """Applies a step's sampled tokens; returns the sequences that finished.
 
@@ -183,6 +213,8 @@ class Scheduler:
                 `plan.num_new_tokens[i]`); padding rows and rows that do not sample are ignored.
             logprobs: [S, 2 + 2 * max_logprobs] the sampled tokens' logprobs of a plan with
                 `plan.logprobs` (`sampler.token_logprobs`), kept by the sequences that asked.
+            accepted: what `check` returned for these tokens (its grammars advanced); None:
+                checked here.
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
@@ -191,13 +223,13 @@ class Scheduler:
         since the plan are skipped. A constrained row keeps the tokens its grammar accepts
         (`accept_tokens`); after a refused one, the next plan computes the last kept again.
         """
-        tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
-        counts = plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs
+        tokens, counts = _rows(plan, sampled_token_ids)
         finished: list[Sequence] = []
         if plan.all_rows and logprobs is not None:
             keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
-        accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
+        if accepted is None:
+            accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
         for index, (seq, samples, row, count) in enumerate(rows):
             kept = accepted.get(index, count)
             if kept < count:
@@ -215,6 +247,13 @@ class Scheduler:
                     finished.append(seq)
                     break
         return finished
+
+    def check(self, plan: StepPlan, sampled_token_ids: np.ndarray) -> dict[int, int]:
+        """How many of their tokens (as `update` takes them) the constrained rows of `plan`
+        keep, by row (`accept_tokens`); mutates their grammars, advanced past those."""
+        if not self.num_constrained:
+            return {}
+        return accept_tokens(plan, *_rows(plan, sampled_token_ids))
 
     def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
         """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), as
@@ -327,13 +366,13 @@ class Scheduler:
                 self._preempt(running.pop())
         return ("decode", list(running), [1] * len(running)) if running else None
 
-    def _multi_step_counts(self) -> list[int] | None:
+    def _multi_step_counts(self, short_of_last: bool = False) -> list[int] | None:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
         logits processing (`changes_logits`), or the blocks are not free. A constrained one
-        must speculate (`jaxllm.structured`) and not reach its last token (its blocks outlive a
-        roll-back)."""
+        (every one, `short_of_last`) must not reach its last token (its blocks outlive a
+        roll-back), and a constrained one must speculate (`jaxllm.structured`)."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
@@ -345,6 +384,8 @@ class Scheduler:
             end = min(seq.num_computed_tokens + steps, last)
             grammar = seq.grammar
             if grammar and not (end < last and grammar.speculates and mask_commutes(seq.params)):
+                return None
+            if short_of_last and end == last:
                 return None
             ends.append(end)
             needed += max(0, -(-end // pool.block_size) - len(seq.block_table))
@@ -391,3 +432,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""
         check_integrity(self)
+
+
+def _rows(plan: StepPlan, sampled_token_ids) -> tuple[list[list[int]], list[int]]:
+    """Each row's tokens of a step's sampled ones (`Scheduler.update`), and how many are its."""
+    tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
+    return tokens, plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs

@@ -115,12 +115,12 @@ def test_the_host_reads_sampled_tokens_from_host_memory(make_llm, greedy_prompts
     and several alike (the devices keep their own copy for the next step)."""
     llm = make_llm(num_scheduler_steps=5)
     engine, seen = llm.engine, set()
-    update = engine._update
+    check = engine._check
 
-    def spying(plan, result):
+    def spying(plan, result, seconds):
         seen.add((plan.bucket.num_steps, result.tokens.sharding.memory_kind))
-        return update(plan, result)
+        return check(plan, result, seconds)
 
-    monkeypatch.setattr(engine, "_update", spying)
+    monkeypatch.setattr(engine, "_check", spying)
     llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
     assert seen == {(1, "pinned_host"), (5, "pinned_host")}

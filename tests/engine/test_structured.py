@@ -551,6 +551,27 @@ def test_speculation_is_accepted_and_refused_and_backs_off(speculating_llm):
     assert_idle(speculating_llm)
 
 
+def test_a_plan_made_ahead_of_a_speculative_ones_check_samples_what_one_step_plans_do(
+    text_llm, speculating_llm, monkeypatch
+):
+    """After a speculative plan the next is planned while the device runs it, dispatched once
+    its tokens are checked (all kept), undone where one was refused: the tokens of one step a
+    plan either way."""
+    from jaxllm.sched import Scheduler
+
+    undone = []
+    unplan = Scheduler.unplan
+    monkeypatch.setattr(Scheduler, "unplan", lambda self, plan: undone.append(unplan(self, plan)))
+    speculation = speculating_llm.engine.grammars.speculation
+    before = speculation.plans_ahead
+    params = SamplingParams(temperature=0.6, max_tokens=120, seed=1, structured_outputs=TEXT)
+    [several] = speculating_llm.generate(["Answer:"], params, use_tqdm=False)
+    [alone] = text_llm.generate(["Answer:"], params, use_tqdm=False)
+    assert several.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert speculation.plans_ahead > before and undone
+    assert_idle(speculating_llm)
+
+
 def test_filtered_constrained_rows_take_one_step_plans(text_llm, speculating_llm):
     """Top-p keeps tokens by the masked logits: such a row does not speculate, and samples as
     at one step a plan."""

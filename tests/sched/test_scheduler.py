@@ -447,3 +447,56 @@ def test_a_sequence_preempted_after_refused_tokens_writes_its_kv_again(monkeypat
     plan = scheduler.schedule()
     assert plan.start_positions == [4] and seq.block_table[0] == 0
     assert plan.inputs.slot_mapping[plan.inputs.sample_indices[0]] == seq.block_table[1] * 4
+
+
+def in_flight_of_four_steps(max_tokens: int):
+    """A scheduler whose one sequence (a prompt of 3 tokens) has a plan of 4 decode steps in
+    flight (positions 3 .. 6), its tokens not applied."""
+    scheduler = make_scheduler(num_scheduler_steps=4)  # blocks of 4 tokens
+    seq = make_seq(scheduler, 3, max_tokens=max_tokens)
+    scheduler.update(scheduler.schedule(), np.array([7]))
+    in_flight = scheduler.schedule()
+    assert in_flight.start_positions == [3] and in_flight.bucket.num_steps == 4
+    return scheduler, seq, in_flight
+
+
+def test_a_plan_ahead_is_the_plan_made_after_the_tokens_and_is_undone_whole():
+    """Planned before the plan in flight is applied, as if it keeps its tokens: the positions,
+    slots and blocks of the plan made once they are applied. Undone, the blocks it took are
+    free again and the sequence is where the plan in flight leaves it."""
+    scheduler, seq, in_flight = in_flight_of_four_steps(max_tokens=12)
+    table, free = list(seq.block_table), scheduler.block_pool.num_free_blocks
+    ahead = scheduler.plan_ahead()
+    assert ahead.start_positions == [7] and ahead.num_new_tokens == [4]
+    assert len(seq.block_table) == len(table) + 1  # positions 8 .. 10: a block of its own
+    scheduler.unplan(ahead)
+    assert seq.block_table == table and scheduler.block_pool.num_free_blocks == free
+    assert seq.num_computed_tokens == 7
+    scheduler.check_integrity()
+    scheduler.update(in_flight, np.full((4, 1), 9))
+    after = scheduler.schedule()
+    assert after.start_positions == ahead.start_positions and seq.block_table[:2] == table
+    assert after.num_new_tokens == ahead.num_new_tokens
+    np.testing.assert_array_equal(after.inputs.positions, ahead.inputs.positions)
+    slots = np.array(seq.block_table)[np.arange(7, 11) // 4] * 4 + np.arange(7, 11) % 4
+    np.testing.assert_array_equal(after.step_slots[:, 0], slots)
+    scheduler.check_integrity()
+
+
+def test_a_plan_ahead_needs_every_sequence_short_of_its_last_token_and_nothing_waiting():
+    """Its sequences' blocks must outlive an undo: none reaches its last token (which frees
+    them); a waiting request takes a prefill first. Then nothing is planned, nothing changed."""
+    scheduler, seq, _ = in_flight_of_four_steps(max_tokens=6)  # its last position is 8
+    table = list(seq.block_table)
+    assert scheduler.plan_ahead() is None
+    assert seq.block_table == table and seq.num_computed_tokens == 7
+    scheduler, seq, _ = in_flight_of_four_steps(max_tokens=12)
+    make_seq(scheduler, 2)
+    assert scheduler.plan_ahead() is None and seq.num_computed_tokens == 7
+
+
+def test_a_plan_ahead_holds_only_where_every_token_was_kept():
+    scheduler, _, in_flight = in_flight_of_four_steps(max_tokens=12)
+    ahead = scheduler.plan_ahead()
+    assert scheduler.holds(ahead, in_flight, {}) and scheduler.holds(ahead, in_flight, {0: 4})
+    assert not scheduler.holds(ahead, in_flight, {0: 3})
