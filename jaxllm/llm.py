@@ -225,10 +225,12 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[StreamDelta]:
-        """Returns an iterator of (text, token_ids, index) deltas of one prompt's completions.
+        """Returns an iterator of `StreamDelta`s (text, token_ids, index) of one prompt's
+        completions.
 
         The text deltas of completion `index` concatenate to its final text and the token
-        deltas to its token ids (with n = 1, the `RequestOutput`'s `text` and `token_ids`).
+        deltas to its token ids (with n = 1, the `RequestOutput`'s `text` and `token_ids`); its
+        last delta carries its `finish_reason` and `stop_reason`, the others None.
         With stop strings, the last (longest stop string - 1) characters are held back until
         they cannot start a stop string (unless `include_stop_str_in_output`). The request is
         queued at the first `next()`; closing the iterator early aborts it.
@@ -271,8 +273,9 @@ class LLM:
                     for done in output.outputs:
                         i = done.index
                         yield StreamDelta(
-                            done.text[sent_chars[i] :], done.token_ids[sent_tokens[i] :], i
-                        )
+                            done.text[sent_chars[i] :], done.token_ids[sent_tokens[i] :], i,
+                            done.finish_reason, done.stop_reason,
+                        )  # fmt: skip
                     return
                 if not live:
                     raise RuntimeError(f"request {request_id} was aborted")

@@ -172,11 +172,13 @@ class RequestOutput:
 
 class StreamDelta(NamedTuple):
     """What `LLM.stream` yields: the new text and the new token ids of completion `index` since
-    its last delta."""
+    its last delta; its last delta also says why it finished (`CompletionOutput`'s)."""
 
     text: str
     token_ids: list[int]
     index: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass

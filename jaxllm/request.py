@@ -98,7 +98,7 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
         cumulative_logprob=None,
         logprobs=None,
         finish_reason=seq.finish_reason,
-        stop_reason=_stop_reason(seq, stop_strings),
+        stop_reason=_stop_reason(seq, stop_strings, token_texts.tokenizer.eos_token_id),
     )
     if seq.params.logprobs is not None:
         rows = seq.output_logprobs
@@ -110,14 +110,18 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     return completion
 
 
-def _stop_reason(seq: Sequence, stop_strings: StopStrings | None) -> str | int | None:
-    """The stop string or stop token that ended `seq`; None for eos and length."""
+def _stop_reason(seq: Sequence, stop_strings: StopStrings | None, eos: int | None):
+    """The stop string or stop token that ended `seq`, as vLLM names them: None for the
+    tokenizer's `eos` (unless ignored), a grammar's end and length; generation_config's other
+    eos ids are stop tokens."""
     if seq.finish_reason != "stop":
         return None
     if stop_strings is not None and stop_strings.matched is not None:
         return stop_strings.matched
     last = seq.output_token_ids[-1]
-    return last if last in (seq.params.stop_token_ids or ()) else None
+    if last == eos and not seq.params.ignore_eos:
+        return None
+    return last if last in seq.stop_token_ids else None
 
 
 def _logprobs(

@@ -52,6 +52,10 @@ def test_stream_equals_generate(text_llm, params):
 
     assert joined(deltas) == (output.text, output.token_ids)
     assert len(deltas) >= len(output.token_ids)  # a delta per step
+    reasons = [(delta.finish_reason, delta.stop_reason) for delta in deltas]
+    done = output.outputs[0]
+    assert reasons == [(None, None)] * (len(deltas) - 1) + [(done.finish_reason, done.stop_reason)]
+    assert done.finish_reason is not None
     assert_idle(text_llm)
 
 

@@ -120,6 +120,7 @@ def test_eos_from_generation_config(checkpoint, continuation, tmp_path):
     outputs = llm.generate([PROMPT] * 3, cases, use_tqdm=False)
 
     assert (outputs[0].token_ids, outputs[0].finish_reason) == (continuation[: index + 1], "stop")
+    assert outputs[0].outputs[0].stop_reason == eos  # vLLM's: a stop token, not the eos
     assert (outputs[1].token_ids, outputs[1].finish_reason) == (continuation, "length")
     expected = expected_stop(checkpoint, {eos, 250, tokenizer_eos}, index + 2)
     assert (outputs[2].token_ids, outputs[2].finish_reason) == expected
@@ -221,6 +222,7 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         seeded(**forced_eos, stop=["<|im_end|>"]),
         seeded(stop_token_ids=[tokens[index]], include_stop_str_in_output=True),
         seeded(**forced_eos, include_stop_str_in_output=True),
+        seeded(**forced_eos, stop_token_ids=[eos]),  # the eos first, as in vLLM: no reason
     ]
     outputs = text_llm.generate(["The capital of France is"] * len(cases), cases, use_tqdm=False)
 
@@ -228,7 +230,7 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         assert output.token_ids == tokens[: index + 1]
         assert output.text == tokenizer.decode(tokens[:index])
         assert output.outputs[0].stop_reason == tokens[index]
-    for output in outputs[2:4]:
+    for output in [*outputs[2:4], outputs[6]]:
         assert (output.token_ids, output.text, output.finish_reason) == ([eos], "", "stop")
         assert output.outputs[0].stop_reason is None
     # include_stop_str_in_output: the stop token's text too (vLLM's meaning)
