@@ -185,10 +185,16 @@ def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:
         ValueError: an empty conversation, a message that is not a dict with a string "role",
             or content of another form, naming the conversation and the message.
     """
-    if isinstance(messages, dict | str) or not isinstance(messages, Sequence | Iterator):
+    if not _is_list(messages):
         raise ValueError(f"messages must be a list of message dicts, got {_described(messages)}")
     messages = list(messages)
     one = bool(messages) and isinstance(messages[0], dict)
+    for index, conversation in enumerate(() if one else messages):
+        if not _is_list(conversation):
+            raise ValueError(
+                f"conversation {index} must be a list of message dicts, got "
+                f"{_described(conversation)}"
+            )
     conversations = [messages] if one else [list(conversation) for conversation in messages]
     if [] in conversations:
         raise ValueError(f"conversation {conversations.index([])} has no messages")
@@ -196,6 +202,11 @@ def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:
         [_message(message, c, m) for m, message in enumerate(conversation)]
         for c, conversation in enumerate(conversations)
     ]
+
+
+def _is_list(value: object) -> bool:
+    """A list (or another sequence or iterator) of messages or conversations."""
+    return isinstance(value, Sequence | Iterator) and not isinstance(value, dict | str)
 
 
 def _message(message: object, conversation: int, index: int) -> dict[str, Any]:

@@ -317,6 +317,11 @@ def test_chat_takes_vllms_arguments(text_llm):
             "content parts must be text parts",
         ),
         ("Hi", "messages must be a list of message dicts"),
+        (
+            [[{"role": "user", "content": "Hi"}], "oops"],
+            "conversation 1 must be a list of message dicts, got str 'oops'",
+        ),
+        ([7], "conversation 0 must be a list of message dicts, got int 7"),
     ],
 )
 def test_a_malformed_conversation_is_refused_before_any_work(text_llm, messages, message):
