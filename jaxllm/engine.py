@@ -254,9 +254,10 @@ class Engine:
         try:
             plan, self._next_plan = self._next_plan, None
             checked = None  # the step before, checked, to apply once this one is dispatched
-            if self._in_flight is not None and self._in_flight[0].speculative:
+            speculated = self._in_flight is not None and self._in_flight[0].speculative
+            if plan is None and speculated:
                 plan, checked = self._plan_past_speculation(seconds, outputs)
-            elif self.scheduler.needs_host_tokens:
+            elif self.scheduler.needs_host_tokens or speculated:
                 outputs += self._apply_in_flight(seconds)
             if plan is None:
                 plan = self.scheduler.schedule()
