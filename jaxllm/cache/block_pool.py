@@ -174,6 +174,7 @@ class BlockPool:
             self._ref_counts[block_id] += 1
             self._num_hits[block_id] += 1
             self.policy.on_hit(block_id)
+            self._check_policy("on_hit", block_id, evictable=False)
         return [*cached_block_ids, *self._take_fresh(num_new_blocks)]
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
@@ -210,6 +211,7 @@ class BlockPool:
             if refs[block_id] == 0:
                 if self._hashes[block_id] is not None and self.policy.admit(block_id):
                     self.policy.on_free(block_id)
+                    self._check_policy("on_free", block_id, evictable=True)
                     continue
                 if self._hashes[block_id] is not None:
                     self._forget(block_id)
@@ -272,6 +274,7 @@ class BlockPool:
                 self._ref_counts[owner] += 1
                 self._num_hits[owner] += 1
                 self.policy.on_hit(owner)
+                self._check_policy("on_hit", owner, evictable=False)
                 block_table[index] = owner
                 self.free((block_id,))
                 block_id = owner
@@ -323,11 +326,24 @@ class BlockPool:
                         "an evictable block (cached, unreferenced) of its pool"
                     )
                 self.policy.on_evict(block_id)
+                self._check_policy("on_evict", block_id, evictable=False)
                 self._forget(block_id)
                 self._num_evictions += 1
             self._ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
+
+    def _check_policy(self, hook: str, block_id: int, evictable: bool) -> None:
+        """Raises RuntimeError unless the policy's `hook` left `block_id` evictable (in it) or
+        not, as the hook's contract says: a policy holds each cached free block from `on_free`
+        until `on_hit` or `on_evict`."""
+        if (block_id in self.policy) != evictable:
+            left = "out of" if evictable else "among"
+            raise RuntimeError(
+                f"{type(self.policy).__name__}.{hook}({block_id}) left block {block_id} {left} "
+                "its evictable blocks (`in`): a policy holds each cached free block from "
+                "on_free until on_hit or on_evict"
+            )
 
     def _evictable(self, block_id: object) -> bool:
         """Whether `block_id` is a cached block no sequence holds."""

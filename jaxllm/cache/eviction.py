@@ -55,7 +55,8 @@ class EvictionPolicy(ABC):
 
     def admit(self, block_id: int) -> bool:
         """Whether cached block `block_id`, losing its last reference, stays in the prefix
-        cache; False forgets it at once (an empty block). Called before `on_free`."""
+        cache; False forgets it at once (an empty block), with no `on_evict`: a policy that
+        keeps a block's history drops it here. Called before `on_free`."""
         return True
 
     def on_cache(self, block_id: int) -> None:  # noqa: B027 (an optional hook)

@@ -66,6 +66,28 @@ def test_a_custom_policy_plugs_in():
     assert [pool.allocate([], 1)[0] for _ in range(4)] == [3, 2, 1, 0]
 
 
+@pytest.mark.parametrize("hook", ["on_free", "on_hit", "on_evict"])
+def test_a_policy_that_breaks_a_hooks_contract_is_named(hook):
+    """A freed cached block the policy does not hold (or a hit or evicted one it keeps) would
+    leak or be handed out twice: the pool names the hook at once."""
+
+    class Broken(LRUPolicy):
+        def on_free(self, block_id):
+            if hook != "on_free":
+                super().on_free(block_id)
+
+        def on_hit(self, block_id):
+            if hook != "on_hit":
+                super().on_hit(block_id)
+
+        def on_evict(self, block_id):
+            if hook != "on_evict":
+                super().on_evict(block_id)
+
+    with pytest.raises(RuntimeError, match=rf"Broken\.{hook}\(\d\) left block \d"):
+        four_cached_blocks(Broken()).allocate([], 1)
+
+
 def test_make_policy():
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("FIFO"), FIFOPolicy)
