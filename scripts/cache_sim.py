@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             smallest.check_request(request.prompt_token_ids, request.max_tokens)
         policies = [_policy(name) for name in args.policies.split(",") if name]
         for policy in policies:
-            if isinstance(policy, str):
-                make_policy(policy)
+            try:
+                make_policy(policy) if isinstance(policy, str) else policy()
+            except TypeError as error:  # an abstract class, or one that takes arguments
+                raise ValueError(f"{policy.__name__}() cannot be made: {error}") from None
     except (ValueError, ImportError, AttributeError, OSError) as error:
         parser.error(str(error))
     print(

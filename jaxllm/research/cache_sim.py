@@ -289,7 +289,10 @@ def simulate(
         if check_integrity:
             scheduler.check_integrity()
     stats = scheduler.stats()
-    name = policy if isinstance(policy, str) else (policy.name or type(policy).__name__)
+    # NOTE: a subclass without a name of its own goes by its class name, not its base's
+    name = policy if isinstance(policy, str) else vars(type(policy)).get("name") or (
+        type(policy).__name__
+    )
     arrived = np.array(arrivals, dtype=np.float64)
     ttft = np.array(first_token_at, dtype=np.float64) - arrived
     queueing = np.array(scheduled_at, dtype=np.float64) - arrived

@@ -112,6 +112,8 @@ def lru_entries(requests: Sequence[Request], config: SchedulerConfig) -> int | N
       none misses the blocks of another prefilled in the same step, and at each lookup every
       block is free: cached, or empty;
     - prefix caching on;
+    - no request's max_tokens cut by max_model_len (the profile caches a request's output
+      blocks by its own max_tokens);
     - every request leaves the same number p of uncached blocks (0 or 1: the partial last
       block, or the full one its second-to-last token completes, `num_cached_blocks`), so once
       the pool is full a lookup always finds `num_blocks - p` cached blocks; p is 0 only for a
@@ -134,13 +136,12 @@ def lru_entries(requests: Sequence[Request], config: SchedulerConfig) -> int | N
     uncached: set[int] = set()
     cached: set[int] = set()
     for request in requests:
-        num_prompt = request.num_prompt_tokens
-        max_tokens = min(request.max_tokens, config.max_model_len - num_prompt)
+        num_prompt, max_tokens = request.num_prompt_tokens, request.max_tokens
+        if num_prompt + max_tokens > config.max_model_len:
+            return None
         num_table = -(-(num_prompt + max_tokens - 1) // size)
         uncached.add(num_table - num_cached_blocks(num_prompt, max_tokens, size))
-        hashes, num_lookups = request_block_hashes(
-            Request(request.prompt_token_ids, max_tokens), size
-        )
+        hashes, num_lookups = request_block_hashes(request, size)
         if any(block_hash in cached for block_hash in hashes[num_lookups:]):
             return None
         cached.update(hashes)

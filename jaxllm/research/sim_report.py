@@ -51,8 +51,9 @@ def format_table(results: Sequence[SimResult]) -> str:
     """A fixed-width text table, one row per run; with a simulated clock, also TTFT in seconds
     (mean and p99) and output tokens per simulated second."""
     timed = any(r.simulated_seconds > 0 for r in results)
+    width = max([6, *(len(r.policy) for r in results)])
     header = (
-        f"{'policy':6} {'blocks':>7} {'hit rate':>8} {'prompt':>6} {'hit tokens':>11} "
+        f"{'policy':{width}} {'blocks':>7} {'hit rate':>8} {'prompt':>6} {'hit tokens':>11} "
         f"{'evictions':>9} {'preempt':>7} {'steps':>6} {'ttft steps':>10}"
     )
     if timed:
@@ -60,7 +61,7 @@ def format_table(results: Sequence[SimResult]) -> str:
     lines = [header + f" {'wall s':>6}"]
     for r in results:
         line = (
-            f"{r.policy:6} {r.num_blocks:7d} {r.hit_rate:8.3f} {r.prompt_hit_rate:6.3f} "
+            f"{r.policy:{width}} {r.num_blocks:7d} {r.hit_rate:8.3f} {r.prompt_hit_rate:6.3f} "
             f"{r.num_hit_tokens:11d} {r.num_evictions:9d} {r.num_preemptions:7d} "
             f"{r.num_prefill_steps + r.num_decode_steps:6d} {r.mean_ttft_steps:10.1f}"
         )

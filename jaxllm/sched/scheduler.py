@@ -331,7 +331,8 @@ class Scheduler:
         """Gives `seq` blocks for all its tokens, reusing cached ones; False if they don't fit."""
         pool, size = self.block_pool, self.config.block_size
         hit: list[int] = []
-        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
+        looks_up = self.config.enable_prefix_caching and not seq.wants_prompt_logprobs
+        if looks_up:
             # NOTE: at least the last token is computed, so the step samples from its logits;
             # the hit stops at a block boundary so no write ever lands in a shared block.
             max_blocks = (seq.num_tokens - 1) // size
@@ -341,7 +342,8 @@ class Scheduler:
         if table is None:
             return False
         num_hit_tokens = len(hit) * size
-        pool.record_query(seq.num_tokens, num_hit_tokens)
+        if looks_up:  # NOTE: as vLLM counts them: a request that cannot hit is no query
+            pool.record_query(seq.num_tokens, num_hit_tokens)
         seq.block_table = table
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_tokens is None:

@@ -109,6 +109,14 @@ def test_conditions_that_break_the_prediction_are_detected():
     exact = EXACT_WORKLOADS["prefix_repetition"]()
     assert lru_entries(exact, sequential_config(exact, 16, max_num_seqs=2)) is None
     assert lru_entries(exact, sequential_config(exact, 16, enable_prefix_caching=False)) is None
+    # the profile caches output blocks by each request's max_tokens: none may be cut
+    prompt = np.arange(1, 18)  # a block and a token
+    cut = [Request(prompt, 1), Request(prompt + 100, 40), Request(np.r_[prompt[:16], 999], 1)]
+    assert lru_entries(cut, sequential_config(cut, 4)) == 3
+    config = sequential_config(cut, 4, max_model_len=48)  # the second's 40 cut to 31
+    assert lru_entries(cut, config) is None
+    predicted = reuse_profile(cut, BLOCK).hit_blocks(3) * BLOCK
+    assert simulate(cut, config, "lru").num_hit_tokens != predicted  # what it would vouch for
 
 
 def test_several_running_requests_hit_less_than_the_curve():

@@ -449,6 +449,20 @@ def test_a_sequence_preempted_after_refused_tokens_writes_its_kv_again(monkeypat
     assert plan.inputs.slot_mapping[plan.inputs.sample_indices[0]] == seq.block_table[1] * 4
 
 
+def test_a_request_that_cannot_hit_is_no_query():
+    """As vLLM counts them: with prefix caching off, or prompt logprobs (computed whole),
+    nothing is looked up, and the hit rate counts only lookups."""
+    for settings, params in (({"enable_prefix_caching": False}, {}), ({}, {"prompt_logprobs": 1})):
+        scheduler = make_scheduler(**settings)
+        make_seq(scheduler, 9, **params)
+        scheduler.schedule()
+        assert scheduler.stats().num_queried_tokens == 0
+    scheduler = make_scheduler()
+    make_seq(scheduler, 9)
+    scheduler.schedule()
+    assert scheduler.stats().num_queried_tokens == 9
+
+
 def in_flight_of_four_steps(max_tokens: int):
     """A scheduler whose one sequence (a prompt of 3 tokens) has a plan of 4 decode steps in
     flight (positions 3 .. 6), its tokens not applied."""
