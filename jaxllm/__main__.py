@@ -105,6 +105,8 @@ def _main(argv: list[str] | None) -> int:
         llm = LLM(args.model, **kwargs)
     except (OSError, TypeError, ValueError) as error:  # a flag out of range, a missing model
         args.error(str(error))
+    except MemoryError as error:  # buffers of --max-num-seqs or --max-num-batched-tokens
+        args.error(f"out of host memory starting the engine: {error or 'no detail'}")
     prompts = args.prompts or [DEFAULT_PROMPT]
     # NOTE: what the engine refuses, it refuses before any work (a prompt too long).
     try:

@@ -112,7 +112,8 @@ def resolve_model(model: str) -> str:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+            model,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"],
         )
     except Exception as error:
         raise FileNotFoundError(

@@ -18,6 +18,16 @@ from jaxllm.model.loader import TIED_EXTRA, expected_tensors
 from jaxllm.model.qwen3 import Params
 
 
+def _from_torch(tensor: Any) -> Any:
+    """A PyTorch tensor (a trainer's state dict or parameters) as numpy: detached, on the CPU,
+    floating point as float32 (numpy has no bfloat16; the engine's dtype is float32 at most);
+    anything else as it is."""
+    if not (hasattr(tensor, "detach") and hasattr(tensor, "cpu")):
+        return tensor
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+
+
 def is_hf_named(params: Any) -> bool:
     """A flat mapping of Hugging Face tensor names ("model.embed_tokens.weight", ...)."""
     return isinstance(params, Mapping) and any("." in str(name) for name in params)
@@ -43,7 +53,7 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
     tree: dict[tuple[str, ...], Any] = {}
     fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
     for name, tensor in expected.items():
-        array = jnp.asarray(named[name])
+        array = jnp.asarray(_from_torch(named[name]))
         if array.shape != tensor.hf_shape:
             raise ValueError(
                 f"{name} is {list(array.shape)}; the model's is {list(tensor.hf_shape)}"

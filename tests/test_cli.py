@@ -178,6 +178,21 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
     assert main(["generate", "A", *SMALL]) == 130
 
 
+def test_an_engine_too_big_for_the_host_exits_with_usage(monkeypatch, capsys):
+    """Step buffers sized by --max-num-seqs or --max-num-batched-tokens past the host's
+    memory (numpy's MemoryError): a usage error, not a traceback."""
+
+    def too_big(*args, **kwargs):
+        raise MemoryError("Unable to allocate 2.32 TiB for an array")
+
+    monkeypatch.setattr("jaxllm.llm.LLM", too_big)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "A", *SMALL, "--max-num-batched-tokens", "2147483647"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "out of host memory starting the engine: Unable to allocate" in error
+
+
 def engine_must_not_start(*args, **kwargs):
     raise AssertionError("the engine started")
 

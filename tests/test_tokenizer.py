@@ -208,3 +208,30 @@ def test_a_tokenizer_file_that_is_not_valid_is_named(tmp_path, content):
     (tmp_path / "tokenizer.json").write_text(content)
     with pytest.raises(ValueError, match=rf"cannot load the tokenizer of {tmp_path}: \w+"):
         load_tokenizer(str(tmp_path))
+
+
+def test_a_hub_model_brings_its_chat_template_file(tokenizer, tmp_path, monkeypatch):
+    """transformers saves a chat template to chat_template.jinja: a model downloaded by its
+    Hub id (`startup.resolve_model`, the download faked from a local copy) keeps it."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from jaxllm.startup import resolve_model
+
+    hub = tmp_path / "hub"
+    tokenizer.save_pretrained(hub)
+    assert (hub / "chat_template.jinja").exists()
+
+    def snapshot_download(repo_id, allow_patterns):
+        local = tmp_path / "downloaded"
+        local.mkdir()
+        for path in hub.iterdir():
+            if any(fnmatch.fnmatch(path.name, pattern) for pattern in allow_patterns):
+                shutil.copy(path, local)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    downloaded = load_tokenizer(resolve_model("Qwen/Qwen3-0.6B"))
+    assert downloaded.chat_template == tokenizer.chat_template

@@ -123,12 +123,12 @@ class Qwen3Config:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            # NOTE: no division by an invalid num_heads: __post_init__ names it.
-            head_dim=hf.get("head_dim") or (hf["hidden_size"] // num_heads if num_heads else 0),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+            # NOTE: a field left out takes transformers' Qwen3Config default, as in vLLM
+            head_dim=hf.get("head_dim") or 128,
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 40_960),
+            max_position_embeddings=hf.get("max_position_embeddings", 32_768),
             dtype=hf.get("torch_dtype") or hf.get("dtype") or "float32",
         )
 

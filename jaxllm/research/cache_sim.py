@@ -289,10 +289,10 @@ def simulate(
         if check_integrity:
             scheduler.check_integrity()
     stats = scheduler.stats()
-    # NOTE: a subclass without a name of its own goes by its class name, not its base's
-    name = policy if isinstance(policy, str) else vars(type(policy)).get("name") or (
-        type(policy).__name__
-    )
+    if isinstance(policy, str):
+        name = policy
+    else:  # NOTE: a subclass without a name of its own goes by its class, not its base's name
+        name = vars(type(policy)).get("name") or type(policy).__name__
     arrived = np.array(arrivals, dtype=np.float64)
     ttft = np.array(first_token_at, dtype=np.float64) - arrived
     queueing = np.array(scheduled_at, dtype=np.float64) - arrived

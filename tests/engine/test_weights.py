@@ -191,6 +191,11 @@ def test_hugging_face_names_are_cast_to_the_models_dtype(fresh_llm, other_checkp
     from_numpy = jax.tree.map(np.asarray, fresh_llm.params)
     fresh_llm.update_params(dict(state))  # torch tensors, as a state dict holds them
     assert jax.tree.all(jax.tree.map(np.array_equal, from_numpy, fresh_llm.params))
+    # a trainer's own: bfloat16, and parameters that require grad
+    fresh_llm.update_params({name: tensor.bfloat16() for name, tensor in state.items()})
+    assert jax.tree.all(jax.tree.map(np.array_equal, from_bf16, fresh_llm.params))
+    fresh_llm.update_params(dict(other_checkpoint.torch_model.named_parameters()))
+    assert jax.tree.all(jax.tree.map(np.array_equal, from_numpy, fresh_llm.params))
 
 
 def test_donated_arrays_are_placed_by_giving_up_their_buffers(fresh_llm, other_llm, monkeypatch):

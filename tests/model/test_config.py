@@ -63,6 +63,21 @@ def test_from_hf_reads_transformers_5_rope_parameters():
     assert (config.rope_theta, config.dtype) == (5000.0, "float32")
 
 
+def test_fields_left_out_take_transformers_defaults():
+    """As transformers (and so vLLM) reads the same config.json: a model that leaves out
+    head_dim, rope_theta or max_position_embeddings gets Qwen3Config's defaults."""
+    from transformers import Qwen3Config as HFQwen3Config
+
+    optional = ("head_dim", "rope_theta", "max_position_embeddings", "rms_norm_eps")
+    hf = {k: v for k, v in HF_CONFIG.items() if k not in optional}
+    config, reference = Qwen3Config.from_hf(hf), HFQwen3Config(**hf)
+
+    assert config.head_dim == reference.head_dim
+    assert config.rope_theta == reference.rope_parameters["rope_theta"]
+    assert config.max_position_embeddings == reference.max_position_embeddings
+    assert config.rms_norm_eps == reference.rms_norm_eps
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
