@@ -45,7 +45,9 @@ def reference(
     params: SamplingParams,
     bad_words: tuple[tuple[int, ...], ...],
 ) -> np.ndarray:
-    """[V] float64: vLLM's processing of one row of logits ([V]) after `prompt` and `output`."""
+    """[V] float64: vLLM's processing of one row of logits ([V]) after `prompt` and `output`;
+    bans of bad words of several tokens yield where they would leave no allowed token
+    (`processors.banned_now`)."""
     vocab = len(logits)
     bias = np.zeros(vocab)
     for token, value in (params.logit_bias or {}).items():
@@ -54,10 +56,20 @@ def reference(
         outside = np.ones(vocab, bool)
         outside[list(params.allowed_token_ids)] = False
         bias[outside] = -np.inf
-    for word in bad_words:  # banned while the output ends with the word's other tokens
-        before = word[:-1]
-        if len(before) <= len(output) and tuple(output[len(output) - len(before) :]) == before:
-            bias[word[-1]] = -np.inf
+    single = {word[0] for word in bad_words if len(word) == 1}
+    ends = {  # banned while the output ends with the word's other tokens
+        word[-1]
+        for word in bad_words
+        if 1 < len(word) <= len(output) + 1
+        and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
+    }
+    if (
+        ends
+        and params.allowed_token_ids is not None
+        and ends | single >= {*params.allowed_token_ids}
+    ):
+        ends = set()
+    bias[list(single | ends)] = -np.inf
     processed = logits.astype(np.float64) + bias
     seen = np.zeros(vocab, bool)
     seen[prompt] = True
