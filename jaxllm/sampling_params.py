@@ -54,13 +54,13 @@ class StructuredOutputsParams:
                 "StructuredOutputsParams: exactly one of json, regex, choice, grammar and "
                 f"json_object must be set, got {', '.join(given) or 'none'}"
             )
-        if isinstance(self.json, str):
-            try:
+        try:
+            if isinstance(self.json, str):
                 json.loads(self.json)
-            except ValueError as error:
-                raise ValueError(
-                    f"StructuredOutputsParams.json is not valid JSON: {error}"
-                ) from None
+            elif self.json is not None:
+                json.dumps(self.json)
+        except (TypeError, ValueError) as error:  # a dict holding a set, a circular one
+            raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {error}") from None
 
     @property
     def spec(self) -> tuple[str, str]:

@@ -102,8 +102,15 @@ class SequenceGrammar:
 
     @property
     def is_terminated(self) -> bool:
-        """The grammar admits no more tokens (it consumed eos, or nothing can follow)."""
+        """The grammar admits no more tokens (it consumed eos, nothing can follow, or it
+        failed: `error`)."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a token it refused, a grammar too complex for its lexer),
+        or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
     def speculates(self) -> bool:

@@ -12,6 +12,7 @@ what a plan computes (also a token still on the device) and `update` only what t
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from jaxllm.sched.plan import StepPlan, keep_prompt_logprobs, plan_step
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors, changes_logits
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 from jaxllm.structured import accept_tokens, mask_commutes
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -266,7 +269,11 @@ class Scheduler:
             return "stop"
         if length:
             return "length"
-        return "stop" if last and seq.grammar and seq.grammar.is_terminated else None
+        if not (last and seq.grammar and seq.grammar.is_terminated):
+            return None
+        if seq.grammar.error:  # NOTE: it stops as in vLLM, which logs it too
+            logger.warning("%s stops: its grammar failed: %s", seq, seq.grammar.error)
+        return "stop"
 
     def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Enters the blocks of `seq` that tokens `start` .. `end - 1` complete into the prefix

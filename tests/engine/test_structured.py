@@ -350,6 +350,22 @@ def test_invalid_specs_are_refused_before_any_work(text_llm, settings, message):
     assert text_llm.generate("still works", SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+def test_a_grammar_that_fails_while_it_runs_stops_its_request_with_a_warning(text_llm, caplog):
+    """A regex that validates but whose lexer gives up on the first token (too many states):
+    the request stops, as in vLLM, and the log says why; the others run on."""
+    failing = StructuredOutputsParams(regex="a{99999999}")
+    params = [
+        SamplingParams(seed=0, max_tokens=12, structured_outputs=failing),
+        SamplingParams(seed=0, max_tokens=12, ignore_eos=True),
+    ]
+    with caplog.at_level("WARNING", logger="jaxllm.sched.scheduler"):
+        stopped, free = text_llm.generate(["Hi", "Hi"], params, use_tqdm=False)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 12
+    assert "its grammar failed" in caplog.text
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    assert_idle(text_llm)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -358,6 +374,8 @@ def test_invalid_specs_are_refused_before_any_work(text_llm, settings, message):
         (dict(choice=[]), r"choice must be a non-empty list of strings, got \[\]"),
         (dict(choice=["a", 1]), "choice must be a non-empty list of strings"),
         (dict(json="{not json"), "json is not valid JSON"),
+        (dict(json={"enum": {"a"}}), "json is not valid JSON: Object of type set"),
+        (dict(json={("a",): 1}), "json is not valid JSON: keys must be"),
         (dict(json=3), "json must be a dict or its JSON text"),
         (dict(json_object="yes"), "json_object must be True or False"),
     ],
