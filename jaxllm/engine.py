@@ -22,7 +22,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, grammar_rows
+from jaxllm.structured import Grammars, accept_tokens, ahead_holds, grammar_rows
 
 
 class _Checked(NamedTuple):
@@ -296,12 +296,12 @@ class Engine:
         device runs it (`Scheduler.plan_ahead`), and the plan in flight with its tokens
         checked, to apply once the next is dispatched. Its mask, filled then, is what the host
         adds between the two. Or (None, None), the plan in flight applied, where the check
-        refused a token the next plan took as kept (undone) or none was planned."""
+        refused a token the next plan took as kept (undone), or none was planned."""
         scheduler = self.scheduler
         ahead = None if scheduler.needs_host_tokens else scheduler.plan_ahead()
         (plan, result), self._in_flight = self._in_flight, None
         checked = self._check(plan, result, seconds)
-        if ahead is not None and scheduler.holds(ahead, plan, checked.accepted):
+        if ahead is not None and ahead_holds(ahead, plan, checked.accepted):
             self.grammars.speculation.plans_ahead += 1
             return ahead, checked
         if ahead is not None:
@@ -334,13 +334,15 @@ class Engine:
 
     def _check(self, plan: StepPlan, result: StepResult, seconds: dict) -> _Checked:
         """Waits for a step's tokens (adding the wait to `seconds`) and checks them against
-        their grammars (`Scheduler.check`)."""
+        their grammars (`accept_tokens`)."""
         wait_start = time.perf_counter()
         sampled = np.asarray(result.tokens)
         logprobs = None if result.logprobs is None else np.asarray(result.logprobs)
         now = time.perf_counter()
         seconds["wait"] += now - wait_start
-        return _Checked(plan, sampled, logprobs, self.scheduler.check(plan, sampled), now)
+        constrained = self.scheduler.num_constrained
+        accepted = accept_tokens(plan, *plan.row_tokens(sampled)) if constrained else {}
+        return _Checked(plan, sampled, logprobs, accepted, now)
 
     def _apply(self, checked: _Checked) -> list[RequestOutput]:
         """Applies a step's checked tokens; returns the outputs of the requests that finished."""

@@ -199,6 +199,16 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
     return kept
 
 
+def ahead_holds(ahead, plan, accepted: dict[int, int]) -> bool:
+    """Whether `ahead`, a `StepPlan` made while `plan` ran (`Scheduler.plan_ahead`), stands
+    now that `accept_tokens` checked `plan`'s tokens: every constrained row of `plan` kept them
+    all, and `ahead`'s grammars go on (live, and still speculating: `SequenceGrammar.settle`)."""
+    if any(kept < plan.num_new_tokens[row] for row, kept in accepted.items()):
+        return False
+    grammars = [seq.grammar for seq in ahead.seqs if seq.grammar is not None]
+    return all(grammar.speculates and not grammar.is_terminated for grammar in grammars)
+
+
 def check(params: StructuredOutputsParams) -> None:
     """Checks `params`' schema, regex or grammar without a tokenizer (the command line, before
     an engine starts); `Grammars.compile` checks it again with the engine's.

@@ -281,10 +281,9 @@ class BlockPool:
             parent_key = self._keys[block_id]
 
     def reset(self) -> None:
-        """Makes every block empty and forgets every cached prefix, whatever the ref counts
-        said; for when no sequence holds a block any more, or none can be trusted to
-        (`Scheduler.reset`). The policy hears of each cached block's eviction, a held one freed
-        first. Statistics are kept."""
+        """Makes every block empty and forgets every cached prefix, whatever the ref counts said
+        (`Scheduler.reset`: no sequence holds a block, or none can be trusted to). The policy
+        hears of each cached block's eviction, a held one freed first. Statistics are kept."""
         for block_id in range(self.num_blocks):
             if self._hashes[block_id] is None:
                 continue
@@ -334,15 +333,12 @@ class BlockPool:
         return taken
 
     def _check_policy(self, hook: str, block_id: int, evictable: bool) -> None:
-        """Raises RuntimeError unless the policy's `hook` left `block_id` evictable (in it) or
-        not, as the hook's contract says: a policy holds each cached free block from `on_free`
-        until `on_hit` or `on_evict`."""
+        """Raises RuntimeError unless the policy's `hook` left `block_id` in it iff `evictable`."""
         if (block_id in self.policy) != evictable:
-            left = "out of" if evictable else "among"
             raise RuntimeError(
-                f"{type(self.policy).__name__}.{hook}({block_id}) left block {block_id} {left} "
-                "its evictable blocks (`in`): a policy holds each cached free block from "
-                "on_free until on_hit or on_evict"
+                f"{type(self.policy).__name__}.{hook}({block_id}) left block {block_id} "
+                f"{'out of' if evictable else 'among'} its evictable blocks (`in`): a policy "
+                "holds each cached free block from on_free until on_hit or on_evict"
             )
 
     def _evictable(self, block_id: object) -> bool:

@@ -85,6 +85,12 @@ class StepPlan:
         """Real (unpadded) tokens computed in this step."""
         return sum(self.num_new_tokens)
 
+    def row_tokens(self, sampled_token_ids) -> tuple[list[list[int]], list[int]]:
+        """Each row's tokens of the step's sampled ones ([S] or [K, S], as
+        `Scheduler.update` takes them), and how many of them are the row's own."""
+        tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : self.num_seqs].T.tolist()
+        return tokens, self.num_new_tokens if self.bucket.num_steps > 1 else [1] * self.num_seqs
+
 
 def plan_step(
     ladder: BucketLadder,

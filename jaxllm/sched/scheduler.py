@@ -12,7 +12,6 @@ what a plan computes (also a token still on the device) and `update` only what t
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,8 +30,6 @@ from jaxllm.sched.plan import StepPlan, keep_prompt_logprobs, plan_step
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors, changes_logits
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
 from jaxllm.structured import accept_tokens, mask_commutes
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -142,11 +139,11 @@ class Scheduler:
         """Plans the next step; None when nothing is left to run (or what is left waits for
         its grammar to compile).
 
-        Mutates: admits waiting sequences (allocating blocks, prefix hits included), allocates
-        decode slots, preempts when blocks run out, and records what the plan computes: computed
-        tokens, and newly full blocks with known tokens entered into the prefix cache (this
-        step writes their K/V before any later step reads it). A sequence whose last token the
-        plan samples leaves the running list and gives its blocks back.
+        Mutates: admits waiting sequences (blocks allocated, prefix hits first), allocates
+        decode slots, preempts when blocks run out, and records what the plan computes: tokens,
+        and newly full blocks with known tokens entered into the prefix cache (the step writes
+        them before any later one reads them). A sequence whose last token it samples leaves the
+        running list and gives its blocks back.
         """
         chunks = self._schedule_prefill() or self._schedule_decode()
         if chunks is None:
@@ -159,23 +156,13 @@ class Scheduler:
         return self._plan(*chunks)
 
     def plan_ahead(self) -> StepPlan | None:
-        """The next decode plan of several steps, planned while the device runs one such plan
-        whose tokens are not checked yet, as if it keeps them all; None, changing nothing,
-        unless every running sequence takes it short of its last token (`_multi_step_counts`).
-        `holds` tells, once the tokens are checked, whether it still stands; else `unplan`."""
+        """The next plan of several decode steps, made while the device runs one whose tokens
+        are not checked yet, as if it keeps them all (`structured.ahead_holds`); None, changing
+        nothing, unless every running sequence takes it short of its last token."""
         if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
             return None  # a prefill comes first
         counts = self._multi_step_counts(short_of_last=True)
         return None if counts is None else self._plan("decode", list(self.running), counts)
-
-    def holds(self, ahead: StepPlan, plan: StepPlan, accepted: dict[int, int]) -> bool:
-        """Whether `ahead` (`plan_ahead`) stands after `plan`'s tokens were checked (`check`):
-        every constrained row of `plan` kept them all, and `ahead`'s grammars go on (live, and
-        still speculating: `SequenceGrammar.settle`)."""
-        if any(kept < plan.num_new_tokens[row] for row, kept in accepted.items()):
-            return False
-        grammars = [seq.grammar for seq in ahead.seqs if seq.grammar is not None]
-        return all(g.speculates and not g.is_terminated for g in grammars)
 
     def unplan(self, plan: StepPlan) -> None:
         """Undoes a plan of `plan_ahead` that is not run: its sequences go back to its start,
@@ -197,7 +184,11 @@ class Scheduler:
             seq.kv_ahead = False
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
             if samples and end + 1 - seq.num_prompt_tokens >= seq.max_tokens:
-                self._release(seq)
+                # NOTE: its last token planned, its blocks go back (this step writes them first)
+                self.running.remove(seq)
+                self._free(seq)
+                seq.status = SequenceStatus.SAMPLING_LAST
+                self.sampling_last.append(seq)
         return plan
 
     def update(
@@ -216,17 +207,15 @@ class Scheduler:
                 `plan.num_new_tokens[i]`); padding rows and rows that do not sample are ignored.
             logprobs: [S, 2 + 2 * max_logprobs] the sampled tokens' logprobs of a plan with
                 `plan.logprobs` (`sampler.token_logprobs`), kept by the sequences that asked.
-            accepted: what `check` returned for these tokens (its grammars advanced); None:
-                checked here.
+            accepted: `accept_tokens` of these tokens, if they were checked; None: here.
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
-        sequences that stop: a stop token or string once min_tokens are out, or a grammar that
-        admits nothing more ("stop"), or max_tokens reached ("length"). Sequences finished
-        since the plan are skipped. A constrained row keeps the tokens its grammar accepts
-        (`accept_tokens`); after a refused one, the next plan computes the last kept again.
+        sequences that stop (`Sequence.finish_reason_at`); those finished since the plan are
+        skipped. A constrained row keeps the tokens its grammar accepts; after a refused one,
+        the next plan computes the last kept again.
         """
-        tokens, counts = _rows(plan, sampled_token_ids)
+        tokens, counts = plan.row_tokens(sampled_token_ids)
         finished: list[Sequence] = []
         if plan.all_rows and logprobs is not None:
             keep_prompt_logprobs(plan, logprobs)
@@ -244,36 +233,12 @@ class Scheduler:
                 seq.append_token(token, None if logprobs is None else logprobs[index])
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > position:
                     self._cache_full_blocks(seq, position, position + 1)
-                reason = self._finish_reason(seq, token, last=num_read + 1 == kept)
+                reason = seq.finish_reason_at(token, last=num_read + 1 == kept)
                 if reason is not None:
                     self._finish(seq, reason)
                     finished.append(seq)
                     break
         return finished
-
-    def check(self, plan: StepPlan, sampled_token_ids: np.ndarray) -> dict[int, int]:
-        """How many of their tokens (as `update` takes them) the constrained rows of `plan`
-        keep, by row (`accept_tokens`); mutates their grammars, advanced past those."""
-        if not self.num_constrained:
-            return {}
-        return accept_tokens(plan, *_rows(plan, sampled_token_ids))
-
-    def _finish_reason(self, seq: Sequence, token: int, last: bool = True) -> FinishReason | None:
-        """Why `seq` ends with its newest token `token` (`last`: the last its grammar read), as
-        vLLM decides: a stop token short of max_tokens (its text unsearched), a stop string."""
-        length = seq.num_output_tokens >= seq.max_tokens
-        if not length and seq.stops_at(token):
-            return "stop"
-        # NOTE: the stop strings see every other token, so their text stays whole.
-        if seq.stop_strings is not None and seq.stop_strings(token):
-            return "stop"
-        if length:
-            return "length"
-        if not (last and seq.grammar and seq.grammar.is_terminated):
-            return None
-        if seq.grammar.error:  # NOTE: it stops as in vLLM, which logs it too
-            logger.warning("%s stops: its grammar failed: %s", seq, seq.grammar.error)
-        return "stop"
 
     def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Enters the blocks of `seq` that tokens `start` .. `end - 1` complete into the prefix
@@ -379,9 +344,9 @@ class Scheduler:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
-        logits processing (`changes_logits`), or the blocks are not free. A constrained one
-        (every one, `short_of_last`) must not reach its last token (its blocks outlive a
-        roll-back), and a constrained one must speculate (`jaxllm.structured`)."""
+        logits processing (`changes_logits`), or the blocks are not free. A constrained one must
+        speculate (`jaxllm.structured`); it (any, `short_of_last`) must stop short of its last
+        token, so that its blocks outlive a roll-back."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
@@ -414,14 +379,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        """Moves a running sequence whose last token is planned to `sampling_last`, its blocks
-        freed (the planned step still writes them: any later step runs after it)."""
-        self.running.remove(seq)
-        self._free(seq)
-        seq.status = SequenceStatus.SAMPLING_LAST
-        self.sampling_last.append(seq)
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a live sequence: out of its queue, its blocks freed."""
         self._queues[seq.status].remove(seq)
@@ -441,9 +398,3 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises `IntegrityError` unless the scheduler's and the pool's invariants hold."""
         check_integrity(self)
-
-
-def _rows(plan: StepPlan, sampled_token_ids) -> tuple[list[list[int]], list[int]]:
-    """Each row's tokens of a step's sampled ones (`Scheduler.update`), and how many are its."""
-    tokens = np.atleast_2d(np.asarray(sampled_token_ids))[:, : plan.num_seqs].T.tolist()
-    return tokens, plan.num_new_tokens if plan.bucket.num_steps > 1 else [1] * plan.num_seqs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from typing import Literal
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched.processors import SequenceProcessors
+
+logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -128,6 +131,24 @@ class Sequence:
     def stops_at(self, token: int) -> bool:
         """Whether `token`, its newest output token, is a stop token once min_tokens are out."""
         return token in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens
+
+    def finish_reason_at(self, token: int, last: bool = True) -> FinishReason | None:
+        """Why it ends with its newest token `token` (`last`: the last its grammar read), as
+        vLLM decides: a stop token short of max_tokens (its text unsearched), a stop string,
+        max_tokens ("length"), a grammar that admits nothing more; None: it goes on."""
+        length = self.num_output_tokens >= self.max_tokens
+        if not length and self.stops_at(token):
+            return "stop"
+        # NOTE: the stop strings see every other token, so their text stays whole.
+        if self.stop_strings is not None and self.stop_strings(token):
+            return "stop"
+        if length:
+            return "length"
+        if not (last and self.grammar and self.grammar.is_terminated):
+            return None
+        if self.grammar.error:  # NOTE: it stops as in vLLM, which logs it too
+            logger.warning("%s stops: its grammar failed: %s", self, self.grammar.error)
+        return "stop"
 
     def token_at(self, position: int) -> int:
         """The token at `position`, or 0 for the one still on its way back from the device."""

@@ -358,7 +358,7 @@ def test_a_grammar_that_fails_while_it_runs_stops_its_request_with_a_warning(tex
         SamplingParams(seed=0, max_tokens=12, structured_outputs=failing),
         SamplingParams(seed=0, max_tokens=12, ignore_eos=True),
     ]
-    with caplog.at_level("WARNING", logger="jaxllm.sched.scheduler"):
+    with caplog.at_level("WARNING", logger="jaxllm.sched.sequence"):
         stopped, free = text_llm.generate(["Hi", "Hi"], params, use_tqdm=False)
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 12
     assert "its grammar failed" in caplog.text

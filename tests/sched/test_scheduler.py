@@ -15,6 +15,7 @@ from jaxllm.cache import hash_block
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import SequenceStatus
 from jaxllm.sched.processors import SequenceProcessors
+from jaxllm.structured import ahead_holds
 
 
 def refs(scheduler, count: int) -> list[int]:
@@ -512,5 +513,5 @@ def test_a_plan_ahead_needs_every_sequence_short_of_its_last_token_and_nothing_w
 def test_a_plan_ahead_holds_only_where_every_token_was_kept():
     scheduler, _, in_flight = in_flight_of_four_steps(max_tokens=12)
     ahead = scheduler.plan_ahead()
-    assert scheduler.holds(ahead, in_flight, {}) and scheduler.holds(ahead, in_flight, {0: 4})
-    assert not scheduler.holds(ahead, in_flight, {0: 3})
+    assert ahead_holds(ahead, in_flight, {}) and ahead_holds(ahead, in_flight, {0: 4})
+    assert not ahead_holds(ahead, in_flight, {0: 3})
