@@ -119,13 +119,19 @@ class Platform:
         where it runs; the portable attention elsewhere.
 
         Raises:
-            ValueError: "flash" where FlashAttention-3 does not run.
+            ValueError: "flash" where FlashAttention-3 does not run, "pallas" for a layout its
+                decode kernel has no tile for.
         """
         backend = self.attention_backend
         if backend == "flash" and not self.flash_attention:
             raise ValueError(
                 f"{ATTENTION_ENV}=flash needs FlashAttention-3: a Hopper GPU and the "
                 'flash-attn3-jax package (pip install "jaxllm[hopper]")'
+            )
+        if backend == "pallas" and not decode_attention.tile_rows(block_size, kv_heads_per_device):
+            raise ValueError(
+                f"{ATTENTION_ENV}=pallas: the decode kernel has no tile for blocks of "
+                f"{block_size} tokens x {kv_heads_per_device} kv heads per device"
             )
         if backend == "auto":
             pallas = self.nvidia and decode_attention.tile_rows(block_size, kv_heads_per_device)

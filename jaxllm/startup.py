@@ -111,10 +111,8 @@ def resolve_model(model: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(
-            model,
-            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"],
-        )
+        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+        return snapshot_download(model, allow_patterns=patterns)
     except Exception as error:
         raise FileNotFoundError(
             f"model {model!r} is not a local directory and could not be downloaded from the "
@@ -362,7 +360,7 @@ def fit_num_blocks(
     blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)
     if not platform.gpu:
         wanted = config.max_num_seqs * blocks_per_seq
-        return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
+        return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // max(per_block, 1)))
     limit = memory.get("bytes_limit", 0) * config.gpu_memory_utilization
     if scratch is None:  # no account from XLA: a generous estimate (logits, MLP, attention)
         c = model_config
@@ -371,7 +369,7 @@ def fit_num_blocks(
     # NOTE: the sampler's scratch is small beside the largest step's and comes out of the 10%
     # margin.
     free = limit - scratch - memory.get("bytes_in_use", 0) - params_bytes
-    return max(1, int(free // per_block))
+    return max(1, int(free // max(per_block, 1)))  # NOTE: 0 bytes a block: a model of no layers
 
 
 def step_scratch_bytes(

@@ -57,6 +57,8 @@ def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu_or_refused():
     for platform in (H200_WITHOUT_FA3, CPU):  # refused at start-up, not at the first step
         with pytest.raises(ValueError, match=r"=flash needs FlashAttention-3.*flash-attn3-jax"):
             platform.replace(attention_backend="flash").kernels(256, 8)
+    with pytest.raises(ValueError, match="=pallas: the decode kernel has no tile for blocks of 8"):
+        CPU.replace(attention_backend="pallas").kernels(8, 1)
 
 
 def test_cublas_takes_the_matmuls_of_large_steps_on_nvidia_gpus_only():

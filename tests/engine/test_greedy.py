@@ -124,3 +124,17 @@ def test_the_host_reads_sampled_tokens_from_host_memory(make_llm, greedy_prompts
     monkeypatch.setattr(engine, "_check", spying)
     llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
     assert seen == {(1, "pinned_host"), (5, "pinned_host")}
+
+
+def test_a_model_of_no_layers_sizes_its_cache_and_equals_transformers(tmp_path):
+    """Its KV blocks hold 0 bytes: the cache is sized without dividing by them."""
+    from support.engine import BASE_SETTINGS
+    from support.hf import save_checkpoint
+
+    from jaxllm import LLM
+
+    checkpoint = save_checkpoint(tmp_path, layers=0)
+    llm = LLM(str(checkpoint.path), **BASE_SETTINGS)  # num_kvcache_blocks not given
+    prompt = [5, 17, 42]
+    (output,) = llm.generate([prompt], greedy_params(6), use_tqdm=False)
+    assert output.token_ids == checkpoint.greedy(prompt, 6)
