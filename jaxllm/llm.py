@@ -187,7 +187,10 @@ class LLM:
         Raises:
             ValueError: an empty, too long or out-of-vocabulary prompt, a request that can never
                 fit in the KV cache, or a sampling_params list of the wrong length (nothing runs).
+            TypeError: use_tqdm not a bool.
         """
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         with self._lock:
             return self._run(self._requests(prompts, sampling_params), use_tqdm)
 

@@ -12,7 +12,7 @@ from jaxllm.llm import LLM
 from jaxllm.outputs import RequestOutput
 from jaxllm.prompts import Prompt
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import check_model
+from jaxllm.startup import check_model, resolve_model
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
 # Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
@@ -31,10 +31,11 @@ def generate(
     """One call from a notebook: `LLM.generate` with `model` (an LLM, a model string, or None
     for the embedded default). The engine is built once per (model, engine_kwargs), reused until
     a call asks for another, and dropped before another is built; arguments refused by their
-    checks (names, types, ranges) keep it.
+    checks (names, types, ranges, a model path that does not exist) keep it.
 
     Raises:
         TypeError, ValueError: as `LLM` and `LLM.generate` do; engine_kwargs with an LLM.
+        FileNotFoundError: a model that is neither a local directory nor on the Hub.
     """
     if isinstance(model, LLM):
         if engine_kwargs:
@@ -48,6 +49,7 @@ def generate(
         if not _shared or _shared[0][0] != key:
             engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
             check_model(model)
+            path = None if model is None else resolve_model(os.fspath(model))  # it exists
             _shared.clear()
-            _shared.append((key, LLM(model, **engine_kwargs)))
+            _shared.append((key, LLM(path, **engine_kwargs)))
         return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -240,6 +240,9 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
             with pytest.raises((TypeError, ValueError), match="max_num_seq"):
                 jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **bad)
             assert jaxllm.notebook._shared[0][1] is engine
+        with pytest.raises(FileNotFoundError, match="does not exist"):  # a mistyped path
+            jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path / "x"), **settings)
+        assert jaxllm.notebook._shared[0][1] is engine
         # A policy instance serves one LLM: refused for another before the shared one is dropped.
         policy = LRUPolicy()
         kwargs = dict(model=str(checkpoint.path), eviction_policy=policy, **settings)

@@ -72,6 +72,12 @@ def test_bad_generate_call_runs_nothing(case, llm, reference):
     assert_usable(llm, reference)
 
 
+def test_use_tqdm_must_be_a_bool(llm, reference):
+    with pytest.raises(TypeError, match="use_tqdm must be True or False, got 'no'"):
+        llm.generate([GOOD_PROMPT], use_tqdm="no")  # NOTE: a truthy string showed the bar
+    assert_usable(llm, reference)
+
+
 def test_bad_stream_call_fails_at_once(llm, reference):
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         llm.stream([1, 2, 10_000])

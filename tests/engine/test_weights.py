@@ -142,8 +142,10 @@ def test_sleep_level_2_drops_the_weights_until_an_update(
     fresh_llm.update_params(other_llm.params)
     (output,) = fresh_llm.generate([prompt], params, use_tqdm=False)
     assert output.token_ids == other_checkpoint.greedy(prompt, NUM_TOKENS)
-    with pytest.raises(ValueError, match="level"):
-        fresh_llm.sleep(level=3)
+    for level in (3, 2.0, True):  # NOTE: 2.0 == 2 and True == 1 are not levels either
+        with pytest.raises(ValueError, match="level"):
+            fresh_llm.sleep(level=level)
+    assert fresh_llm.params is not None
 
 
 def test_no_update_or_sleep_while_a_stream_runs(fresh_llm, other_llm, checkpoint, greedy_prompts):
