@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import itertools
@@ -62,10 +63,13 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
         self._seed_counter = itertools.count(1)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         # NOTE: outputs of requests finished by a step that another call ran (an interleaved
         # `stream`), kept until their caller asks.
         self._finished: dict[int, RequestOutput] = {}
+        # Requests of streams closed while the engine was busy, aborted at its next safe point
+        # (`_abort_closed`): the collector closes a dropped stream in any thread, at any time.
+        self._closed: collections.deque[int] = collections.deque()
 
     @property
     def model_config(self) -> Qwen3Config:
@@ -121,11 +125,13 @@ class LLM:
             RuntimeError: requests are running (a stream not yet exhausted).
         """
         with self._lock:
+            self._abort_closed()
             self.engine.update_params(params, donate)
 
     def sleep(self, level: int = 1) -> None:
         """Frees the KV cache (level 1), and the weights (2); `wake_up` compiles nothing."""
         with self._lock:
+            self._abort_closed()
             self.engine.sleep(level)
 
     def wake_up(self) -> None:
@@ -140,6 +146,7 @@ class LLM:
         """Empties the prefix cache (its statistics kept), as vLLM's: True, or False while
         requests run (a stream not yet exhausted), leaving it as it was."""
         with self._lock:
+            self._abort_closed()
             return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self):
@@ -292,13 +299,28 @@ class LLM:
                     delta, sent_chars[i] = text[sent_chars[i] : visible], visible
                     yield StreamDelta(delta, list(tokens), i)
         finally:
-            with self._lock:
+            # NOTE: never waits for the lock: the collector may close a dropped stream in the
+            # thread that holds it (in a step) or in one the holder waits for (a compilation).
+            self._closed.append(request_id)
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._abort_closed()
+                finally:
+                    self._lock.release()
+
+    def _abort_closed(self) -> None:
+        """Aborts the requests of closed streams (a no-op for those that finished) and drops
+        their outputs. Called holding the lock, between steps."""
+        with interrupts_held():
+            while self._closed:
+                request_id = self._closed.popleft()
                 self._finished.pop(request_id, None)
                 self.engine.abort(request_id)
 
     def _step(self) -> list[int]:
         """Runs one engine step, Ctrl-C held back until it ends; files its finished outputs
-        under `_finished`, returns their ids."""
+        under `_finished`, returns their ids. Aborts the requests of closed streams first."""
+        self._abort_closed()
         with interrupts_held():
             finished = {output.request_id: output for output in self.engine.step()}
             self._finished.update(finished)
@@ -364,9 +386,10 @@ class LLM:
                 if len(outputs) < len(ids) and not engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
-            for request_id in ids:  # a no-op for those already finished
-                engine.abort(request_id)
-                self._finished.pop(request_id, None)
+            with interrupts_held():  # NOTE: a second Ctrl-C would leave requests running
+                for request_id in ids:  # a no-op for those already finished
+                    engine.abort(request_id)
+                    self._finished.pop(request_id, None)
             raise
         finally:
             bar.close()

@@ -93,6 +93,85 @@ def test_interrupt_inside_a_step_is_held_until_the_step_ends(
     assert_idle(llm)
 
 
+def test_a_second_interrupt_while_a_call_aborts_its_requests_leaves_none_running(
+    make_llm, greedy_prompts, greedy_reference
+):
+    llm = make_llm(max_num_seqs=4)
+    engine, runner = llm.engine, llm.engine.runner
+    execute, abort = runner.execute, engine.abort
+
+    def interrupted_execute(plan, *masks):
+        runner.execute = execute
+        _thread.interrupt_main()  # the first Ctrl-C: raised as the step ends
+        time.sleep(0.01)
+        return execute(plan, *masks)
+
+    def interrupted_abort(request_id):
+        engine.abort = abort
+        _thread.interrupt_main()  # the second, while the requests are aborted
+        time.sleep(0.01)
+        return abort(request_id)
+
+    runner.execute, engine.abort = interrupted_execute, interrupted_abort
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(greedy_prompts[:4], greedy_params(), use_tqdm=False)
+    finally:
+        vars(runner).pop("execute", None)
+        vars(engine).pop("abort", None)
+    assert_idle(llm)
+    (output,) = llm.generate(greedy_prompts[4], greedy_params(), use_tqdm=False)
+    assert output.outputs[0].token_ids == greedy_reference[4]
+
+
+def test_a_stream_closed_inside_a_step_is_aborted_after_it(
+    make_llm, greedy_prompts, greedy_reference
+):
+    """The collector closes a dropped stream wherever it runs: inside a step of another call,
+    its request is aborted once that step ends, and the others go on."""
+    llm = make_llm(max_num_seqs=4)
+    dropped = llm.stream(greedy_prompts[5], greedy_params())
+    kept = llm.stream(greedy_prompts[6], greedy_params())
+    first = next(kept)
+    next(dropped)
+    dropped_id = min(llm.engine._requests)  # made first
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def closing_schedule():
+        scheduler.schedule = schedule
+        dropped.close()  # as the collector would, mid-step
+        assert llm.engine.has_request(dropped_id)  # not aborted yet
+        return schedule()
+
+    scheduler.schedule = closing_schedule
+    try:
+        rest = [t for delta in kept for t in delta.token_ids]
+    finally:
+        vars(scheduler).pop("schedule", None)
+    assert first.token_ids + rest == greedy_reference[6]
+    assert_idle(llm)
+
+
+def test_a_stream_closed_while_another_thread_runs_the_engine_never_waits(
+    make_llm, greedy_prompts, greedy_reference
+):
+    """Closed in a thread the lock's holder waits for (a compilation's), a stream does not
+    wait for the lock: its request is aborted by the next call."""
+    llm = make_llm(max_num_seqs=4)
+    stream = llm.stream(greedy_prompts[5], greedy_params())
+    next(stream)
+    with llm._lock:  # another call runs the engine
+        closer = threading.Thread(target=stream.close)
+        closer.start()
+        closer.join(timeout=30)
+        assert not closer.is_alive()
+        assert llm.engine.has_unfinished()
+    (output,) = llm.generate(greedy_prompts[6], greedy_params(), use_tqdm=False)
+    assert output.outputs[0].token_ids == greedy_reference[6]
+    assert_idle(llm)
+
+
 def test_a_failed_step_resets_the_engine(make_llm, greedy_prompts, greedy_reference):
     llm = make_llm(max_num_seqs=4)
     prompts, reference = greedy_prompts[:NUM_PROMPTS], greedy_reference[:NUM_PROMPTS]
