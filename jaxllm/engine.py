@@ -198,7 +198,7 @@ class Engine:
 
     def sleep(self, level: int = 1) -> None:
         """Frees the KV cache (level 1), and drops the weights (level 2)."""
-        if isinstance(level, bool) or level not in (1, 2) or not isinstance(level, int):
+        if not isinstance(level, int) or isinstance(level, bool) or level not in (1, 2):
             raise ValueError(
                 f"sleep level must be 1 (the KV cache) or 2 (and weights), got {level!r}"
             )

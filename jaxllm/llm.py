@@ -311,6 +311,8 @@ class LLM:
     def _abort_closed(self) -> None:
         """Aborts the requests of closed streams (a no-op for those that finished) and drops
         their outputs. Called holding the lock, between steps."""
+        if not self._closed:
+            return
         with interrupts_held():
             while self._closed:
                 request_id = self._closed.popleft()
