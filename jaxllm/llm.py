@@ -370,7 +370,10 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         # NOTE: what lives now (the engine, jax, the caller's objects) is frozen for the call
         # only: the collector's passes as outputs pile up skip it; a dropped engine is freed.
-        gc.freeze()
+        # Not where the caller froze objects: unfreezing ours would unfreeze theirs.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         try:
             for request in requests:
                 engine.add(request)
@@ -395,6 +398,7 @@ class LLM:
             raise
         finally:
             bar.close()
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
         self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]

@@ -384,6 +384,16 @@ def test_a_dropped_llm_is_freed_with_what_was_alive_when_it_ran(checkpoint):
     assert engine() is None and cycle_ref() is None
 
 
+def test_objects_the_caller_froze_stay_frozen(llm):
+    gc.freeze()  # as a server does before it forks
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate([[1, 2, 3]], greedy_params(2), use_tqdm=False)
+        assert gc.get_freeze_count() > frozen - 100  # less only those that died, not 0
+    finally:
+        gc.unfreeze()
+
+
 def test_the_progress_bar_ends_on_the_last_step_that_ran(llm, capsys):
     llm.generate([[1, 2, 3], [4, 5]], greedy_params(6), use_tqdm=True)
     last = capsys.readouterr().err.rstrip().split("\r")[-1]
