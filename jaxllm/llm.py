@@ -299,8 +299,7 @@ class LLM:
                     delta, sent_chars[i] = text[sent_chars[i] : visible], visible
                     yield StreamDelta(delta, list(tokens), i)
         finally:
-            # NOTE: never waits for the lock: the collector may close a dropped stream in the
-            # thread that holds it (in a step) or in one the holder waits for (a compilation).
+            # NOTE: never waits: the collector closes dropped streams in any thread, mid-step too
             self._closed.append(request_id)
             if self._lock.acquire(blocking=False):
                 try:
@@ -311,10 +310,8 @@ class LLM:
     def _abort_closed(self) -> None:
         """Aborts the requests of closed streams (a no-op for those that finished) and drops
         their outputs. Called holding the lock, between steps."""
-        if not self._closed:
-            return
-        with interrupts_held():
-            while self._closed:
+        while self._closed:
+            with interrupts_held():
                 request_id = self._closed.popleft()
                 self._finished.pop(request_id, None)
                 self.engine.abort(request_id)
@@ -369,10 +366,9 @@ class LLM:
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         # NOTE: what lives now (the engine, jax, the caller's objects) is frozen for the call
-        # only: the collector's passes as outputs pile up skip it; a dropped engine is freed.
-        # Not where the caller froze objects: unfreezing ours would unfreeze theirs.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
+        # only (the collector's passes as outputs pile up skip it; a dropped engine is freed),
+        # unless the caller froze objects: unfreezing ours would unfreeze theirs.
+        if freeze := gc.get_freeze_count() == 0:
             gc.freeze()
         try:
             for request in requests:
