@@ -110,7 +110,9 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
     return completion
 
 
-def _stop_reason(seq: Sequence, stop_strings: StopStrings | None, eos: int | None):
+def _stop_reason(
+    seq: Sequence, stop_strings: StopStrings | None, eos: int | None
+) -> str | int | None:
     """The stop string or stop token that ended `seq`, as vLLM names them: None for the
     tokenizer's `eos` (unless ignored), a grammar's end and length; generation_config's other
     eos ids are stop tokens."""
