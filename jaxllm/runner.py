@@ -31,7 +31,7 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
 from jaxllm.model.kv_cache import KVCache, allocate_above_a_gap, allocate_kv_cache, kv_cache_shapes
-from jaxllm.model.logits_processors import LogitsProcessors, StepBitmasks
+from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
@@ -136,8 +136,8 @@ class ModelRunner:
         self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+        self._all_allowed: dict[int, jax.Array] = {}  # sampled rows -> a bitmask of every token
         self._mask_words = -(-config.vocab_size // 32)  # a token bitmask's int32 words a row
-        self.bitmasks = StepBitmasks(self._mask_words, self._replicated, self._on_devices)
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # by sampled rows
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}  # and mode
         # NOTE: what the model's programs depend on besides their arguments (`depends_on`)
@@ -156,7 +156,6 @@ class ModelRunner:
         awake, self._previous = self.kv_cache is not None, None
         self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
-        self.bitmasks.reset()
         self.kv_cache = self._allocate_kv_cache() if awake else None
 
     def update_params(self, params: Params, donate: bool = False) -> None:
@@ -171,7 +170,6 @@ class ModelRunner:
         again. Nothing compiled is lost."""
         self._previous = None
         self.processors.reset()
-        self.bitmasks.reset()
         jax.tree.map(lambda array: array.delete(), self.kv_cache)
         self.kv_cache = None
         if weights:
@@ -184,7 +182,7 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         tables = self._forward_executables, self._sample_executables, self._logprob_executables
-        return sum(map(len, (*tables, self._multi_step_executables, self.bitmasks.executables)))
+        return sum(map(len, tables)) + len(self._multi_step_executables)
 
     def compile(
         self,
@@ -223,9 +221,6 @@ class ModelRunner:
                 jnp.int32), no_tokens, bucket=bucket, mode=mode,
             ), options(bucket.num_tokens))
             for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
-        ] + [
-            (self.bitmasks.executables, n, self.bitmasks.lowering(n), options(n))
-            for n in {bucket.num_sampled for bucket in buckets if bucket.num_steps > 1}
         ] + [
             (self._logprob_executables, n, functools.partial(
                 self._logprobs.lower, logits[n],
@@ -291,7 +286,6 @@ class ModelRunner:
         for num_rows, mode in self._sample_executables:
             greedy = SamplingInputs.padding(num_rows)
             results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
-        results += self.bitmasks.warm_up()
         for bucket, mode in self._multi_step_executables:
             step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens)
             results.append(self._run_steps(bucket, mode, *step)[0])
@@ -352,7 +346,11 @@ class ModelRunner:
     ) -> tuple[jax.Array, jax.Array]:
         """Dispatches a plan of several decode steps under `bitmask` (None: every token allowed);
         keeps its updated cache; returns every step's tokens (in host memory) and the last's."""
-        bitmask = self.bitmasks.get(bucket.num_sampled, bitmask)
+        rows = bucket.num_sampled
+        if bitmask is None and rows not in self._all_allowed:  # kept on the device
+            every_token = self._on_devices(np.full((rows, self._mask_words), -1, np.int32))
+            self._all_allowed[rows] = jax.device_put(every_token, self._replicated)
+        bitmask = self._all_allowed[rows] if bitmask is None else self._on_devices(bitmask)
         packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)), bitmask)
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
             self.params, self.kv_cache, *packed, previous_tokens

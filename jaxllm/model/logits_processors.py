@@ -112,63 +112,6 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _written_over(buffer: jax.Array, bitmask: jax.Array) -> jax.Array:
-    del buffer  # donated: the result takes its place
-    return bitmask
-
-
-class StepBitmasks:
-    """The token bitmasks that plans of several decode steps read, on the devices, by sampled
-    rows: one allowing every token, for plans without grammars, and one buffer that each
-    constrained plan's mask is written over.
-
-    NOTE: so a program reads its mask at one address however the host's copy lands; XLA updates
-    the CUDA graph of a program whose buffers moved.
-
-    Args:
-        words: a row's int32 words, ceil(V / 32).
-        sharding, on_devices: as `LogitsProcessors` takes them.
-
-    Mutates: `get` donates the buffer of its rows' last mask; `reset` drops the buffers.
-    """
-
-    def __init__(self, words: int, sharding, on_devices) -> None:
-        self._words, self._sharding, self._on_devices = words, sharding, on_devices
-        self._write_over = jax.jit(_written_over, donate_argnums=0, keep_unused=True)
-        self.executables: dict[int, jax.stages.Compiled] = {}  # by rows (`ModelRunner.compile`)
-        self._every_token: dict[int, jax.Array] = {}
-        self._masks: dict[int, jax.Array] = {}
-
-    def lowering(self, rows: int) -> functools.partial:
-        """The lowering of the program that writes a mask of `rows` rows."""
-        shape = jax.ShapeDtypeStruct((rows, self._words), jnp.int32, sharding=self._sharding)
-        return functools.partial(self._write_over.lower, shape, shape)
-
-    def get(self, rows: int, bitmask: np.ndarray | None) -> jax.Array:
-        """`bitmask` [rows, words] on the devices; None: every token allowed."""
-        if bitmask is None:
-            if rows not in self._every_token:
-                self._every_token[rows] = self._allowing_all(rows)
-            return self._every_token[rows]
-        buffer = self._masks.pop(rows, None)
-        buffer = self._allowing_all(rows) if buffer is None else buffer
-        self._masks[rows] = self.executables[rows](buffer, self._on_devices(bitmask))
-        return self._masks[rows]
-
-    def warm_up(self) -> list[jax.Array]:
-        """Runs each program once; returns what they wrote."""
-        for rows, write_over in self.executables.items():
-            self._masks[rows] = write_over(self._allowing_all(rows), self._allowing_all(rows))
-        return list(self._masks.values())
-
-    def reset(self) -> None:
-        self._masks.clear()
-
-    def _allowing_all(self, rows: int) -> jax.Array:
-        every_token = self._on_devices(np.full((rows, self._words), -1, np.int32))
-        return jax.device_put(every_token, self._sharding, may_alias=False)
-
-
 # Bias edits travel in chunks of this many (one shape to compile).
 EDIT_CHUNK = 64
 
