@@ -54,6 +54,9 @@ COMPILED_GRAMMARS = 64
 SPECULATION_WAIT = (16, 256)
 # The weight of a row's earlier plans in its acceptance, per plan.
 ACCEPTANCE_DECAY = 0.75
+# The longest a step waits for a grammar's compile (nothing else to run): Ctrl-C, held back
+# while a step runs, is taken between two steps.
+COMPILE_WAIT_SECONDS = 0.1
 
 
 @dataclasses.dataclass
@@ -348,10 +351,12 @@ class Grammars:
 
     @staticmethod
     def wait(grammars: list[SequenceGrammar | None]) -> None:
-        """Blocks until one of these sequences' grammars is compiled (none compiling: at once);
-        for an engine with nothing else to run."""
+        """Blocks until one of these sequences' grammars is compiled (none compiling: at once),
+        or `COMPILE_WAIT_SECONDS` pass; for an engine with nothing else to run."""
         compiling = [g._compiled for g in grammars if g is not None and not g._compiled.done()]
-        concurrent.futures.wait(compiling, return_when=concurrent.futures.FIRST_COMPLETED)
+        concurrent.futures.wait(
+            compiling, COMPILE_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED
+        )
 
     def bitmask(self, plan) -> np.ndarray:
         """A `StepPlan`'s token bitmask, [S, ceil(V / 32)] int32: bit t % 32 of word t // 32 of

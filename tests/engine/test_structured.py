@@ -3,12 +3,14 @@ an output valid, so every output at temperature 1 over many seeds must satisfy i
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import dataclasses
 import functools
 import importlib
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -320,6 +322,31 @@ def test_a_grammar_still_compiling_holds_back_no_one(text_llm, monkeypatch):
         finished += engine.step()
     assert finished[-1].request_id == waiting.request_id
     assert finished[-1].outputs[0].text == "heldheld"
+
+
+def test_ctrl_c_ends_a_wait_for_a_grammar_still_compiling(text_llm, monkeypatch):
+    """With nothing else to run, generate waits for a grammar's compile, and Ctrl-C (held back
+    while a step runs) ends the wait; once compiled, the spec serves again."""
+    grammars = text_llm.engine.grammars
+    held: concurrent.futures.Future = concurrent.futures.Future()
+    real = grammars._compiler.submit
+    monkeypatch.setattr(grammars._compiler, "submit", lambda *args, **kwargs: held)
+    constraint = StructuredOutputsParams(regex="(wait){2}")
+    params = SamplingParams(max_tokens=8, structured_outputs=constraint)
+    compiled = threading.Timer(
+        5.0, lambda: held.set_result(real(*held_args(grammars, constraint)).result())
+    )
+    ctrl_c = threading.Timer(0.3, _thread.interrupt_main)
+    start = time.perf_counter()
+    compiled.start()
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+        text_llm.generate("x", params, use_tqdm=False)
+    assert time.perf_counter() - start < 2.0  # not at the compile's end
+    compiled.join()
+    [output] = text_llm.generate("x", params, use_tqdm=False)
+    assert output.outputs[0].text == "waitwait"
+    assert_idle(text_llm)
 
 
 def held_args(grammars, constraint):
