@@ -120,7 +120,8 @@ for stage in "$@"; do
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     timeline:*)  # timeline:<step_timeline.py arguments, comma-separated>
       args=${stage#timeline:}
-      logged "timeline${args//,/}" 90 $ONE_GPU python3 scripts/step_timeline.py ${args//,/ } ;;
+      name=${args//,/}
+      logged "timeline${name//\//-}" 90 $ONE_GPU python3 scripts/step_timeline.py ${args//,/ } ;;
     profile-host:*)  # profile-host:<profile_host.py arguments, comma-separated>
       args=${stage#profile-host:}
       logged "profile-host${args//,/}" 80 $ONE_GPU python3 scripts/profile_host.py ${args//,/ } ;;

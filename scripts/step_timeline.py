@@ -1,13 +1,16 @@
 """The engine's decode steps as a timeline, host and device side by side:
 
     python scripts/step_timeline.py [--json-schema] [--num-seqs 1] [--steps 12]
+    python scripts/step_timeline.py --from-trace DIR --around "fill masks"  # a trace kept
 
 Runs `--num-seqs` prompts of 512 tokens (each under bench.py's JSON schema with
 `--json-schema`), traces a stretch of decode steps with JAX's profiler and prints, in ms from the
 first traced step's start, what the host did (the engine's calls, annotated here: the engine
 carries no annotations) and which executables the device ran, merged from their kernels; then
 the device's idle share of the stretch (between kernels, and between executables) and each
-executable's time. The trace stays in `--trace-dir` for Perfetto.
+executable's time. The trace stays in `--trace-dir` for Perfetto. `--around LABEL` prints every
+host thread's events (XLA's and PjRt's too) and the device's kernels in the few ms after one of
+the annotated calls, e.g. what lies between a plan's masks and its first kernel.
 """
 
 from __future__ import annotations
@@ -120,6 +123,35 @@ def report(spans: list[Span], kernels: list[Span], first_step: int, num_steps: i
         print(f"  {module[:60]:60s} {total / num_steps / 1e6:7.3f} ms a step")
 
 
+def around(trace_dir: str, label: str, index: int, min_us: float = 20.0) -> None:
+    """Events of every host thread (those of `min_us` or more) and the device's first 24
+    kernels from the start of the `index`-th call annotated `label` to 4 ms after its end, in
+    ms from its end."""
+    from jax.profiler import ProfileData
+
+    [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    found = []
+    for plane in ProfileData.from_file(path).planes:
+        device = plane.name.startswith("/device:GPU")
+        for line in plane.lines:
+            if (device and "Stream" in line.name) or plane.name.startswith("/host"):
+                for event in line.events:
+                    if device or event.duration_ns >= min_us * 1000:
+                        found.append(
+                            (event.start_ns, event.duration_ns, device, line.name, event.name)
+                        )
+    found.sort()
+    start, duration = [(s, d) for s, d, _, _, name in found if name == label][index]
+    end = start + duration
+    kernels = 0
+    for begin, length, device, line, name in found:
+        kernels += device and begin >= start
+        if start <= begin < end + 4_000_000 and kernels <= 24:
+            side = "device" if device else "host"
+            times = f"{(begin - end) / 1e6:8.3f} {length / 1e6:8.3f}"
+            print(f"{times}  {side:6} {line[:24]:24} {name[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
@@ -128,7 +160,16 @@ def main() -> None:
     parser.add_argument("--json-schema", action="store_true")
     parser.add_argument("--num-scheduler-steps", type=int, default=None)
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--from-trace", default=None, help="a trace's folder: no run")
+    parser.add_argument("--around", default=None, help="an annotated call's label (`around`)")
+    parser.add_argument("--index", type=int, default=2, help="which call `--around` shows")
     args = parser.parse_args()
+    if args.from_trace:
+        spans, kernels = events(args.from_trace)
+        report(spans, kernels, first_step=args.steps, num_steps=args.steps)
+        if args.around:
+            around(args.from_trace, args.around, args.index)
+        return
     llm = LLM(args.model, num_scheduler_steps=args.num_scheduler_steps)
     annotate()
     schema = StructuredOutputsParams(json=BENCH_SCHEMA) if args.json_schema else None
@@ -146,6 +187,8 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     spans, kernels = events(trace_dir)
     report(spans, kernels, first_step=args.steps, num_steps=args.steps)
+    if args.around:
+        around(trace_dir, args.around, args.index)
     print(f"trace: {trace_dir}")
 
 
