@@ -131,19 +131,23 @@ def histories(draw, vocab: int) -> dict:
     )
 
 
+# Compiled once per vocabulary (the state holds 4 slots, a step 6 rows: one shape each).
+PROCESS = jax.jit(process)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), vocab=st.integers(5, 64), num_slots=st.integers(1, 4))
+@given(data=st.data(), vocab=st.sampled_from([5, 23, 64]), num_slots=st.integers(1, 4))
 def test_process_equals_vllm_formulas(data, vocab, num_slots):
     slots = [data.draw(histories(vocab)) for _ in range(num_slots)]
-    rows = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=1, max_size=6))
+    rows = data.draw(st.lists(st.integers(-1, num_slots - 1), min_size=6, max_size=6))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     logits = rng.normal(0.0, 5.0, (len(rows), vocab)).astype(np.float32)
     logits[rng.random(logits.shape) < 0.1] = 0.0  # neither positive nor negative
-    state = ProcessorState.zeros(num_slots, vocab)
+    state = ProcessorState.zeros(4, vocab)
     for slot, history in enumerate(slots):
         state = write(state, make_sequence(vocab=vocab, slot=slot, **history))
 
-    processed = np.asarray(process(jnp.asarray(logits), state, jnp.asarray(rows, jnp.int32)))
+    processed = np.asarray(PROCESS(jnp.asarray(logits), state, jnp.asarray(rows, jnp.int32)))
 
     assert processed.dtype == np.float32
     for row, slot in enumerate(rows):
