@@ -11,14 +11,17 @@ from support.hf import VOCAB_SIZE
 from jaxllm import SamplingParams
 
 
-def test_n_greedy_completions_share_one_prefill(make_llm, checkpoint):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_n_greedy_completions_share_one_prefill(make_llm, checkpoint, prompt_logprobs):
+    """With prompt logprobs too: the first completion computes them, the others reuse its KV."""
     llm = make_llm()
     prompt = np.random.default_rng(11).integers(0, VOCAB_SIZE, 100).tolist()  # 6 full blocks
     expected = checkpoint.greedy(prompt, NUM_GREEDY_TOKENS)
     hits_before = llm.cache_stats().num_hit_tokens
     prefilled_before = llm.engine.stats.prefill.tokens
 
-    (output,) = llm.generate(prompt, greedy_params(n=8), use_tqdm=False)
+    params = greedy_params(n=8, prompt_logprobs=prompt_logprobs)
+    (output,) = llm.generate(prompt, params, use_tqdm=False)
 
     assert [c.index for c in output.outputs] == list(range(8))
     assert all(c.token_ids == expected for c in output.outputs)
@@ -28,6 +31,9 @@ def test_n_greedy_completions_share_one_prefill(make_llm, checkpoint):
     # One prefill of the prompt, then each other completion's tokens past its full blocks.
     prefilled = llm.engine.stats.prefill.tokens - prefilled_before
     assert prefilled == len(prompt) + 7 * (len(prompt) - full_blocks)
+    if prompt_logprobs is not None:
+        assert len(output.prompt_logprobs) == len(prompt)  # the first token's is None
+        assert all(len(top) >= prompt_logprobs for top in output.prompt_logprobs[1:])
     assert_idle(llm)
 
 
