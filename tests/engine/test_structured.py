@@ -328,21 +328,28 @@ def test_ctrl_c_ends_a_wait_for_a_grammar_still_compiling(text_llm, monkeypatch)
     """With nothing else to run, generate waits for a grammar's compile, and Ctrl-C (held back
     while a step runs) ends the wait; once compiled, the spec serves again."""
     grammars = text_llm.engine.grammars
+    loaded = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(regex="a"))
+    text_llm.generate("x", loaded, use_tqdm=False)  # llguidance and the buckets ready
     held: concurrent.futures.Future = concurrent.futures.Future()
-    real = grammars._compiler.submit
+    real, wait = grammars._compiler.submit, grammars.wait
     monkeypatch.setattr(grammars._compiler, "submit", lambda *args, **kwargs: held)
     constraint = StructuredOutputsParams(regex="(wait){2}")
-    params = SamplingParams(max_tokens=8, structured_outputs=constraint)
     compiled = threading.Timer(
         5.0, lambda: held.set_result(real(*held_args(grammars, constraint)).result())
     )
-    ctrl_c = threading.Timer(0.3, _thread.interrupt_main)
+
+    def interrupted_wait(waiting):
+        _thread.interrupt_main()  # Ctrl-C as the step starts to wait
+        wait(waiting)
+
+    monkeypatch.setattr(grammars, "wait", interrupted_wait)
+    params = SamplingParams(max_tokens=8, structured_outputs=constraint)
     start = time.perf_counter()
     compiled.start()
-    ctrl_c.start()
     with pytest.raises(KeyboardInterrupt):
         text_llm.generate("x", params, use_tqdm=False)
     assert time.perf_counter() - start < 2.0  # not at the compile's end
+    monkeypatch.setattr(grammars, "wait", wait)
     compiled.join()
     [output] = text_llm.generate("x", params, use_tqdm=False)
     assert output.outputs[0].text == "waitwait"
