@@ -21,12 +21,11 @@ from jaxllm.sched import Sequence
 def completion_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of completion `index` of a request of `params.n`: a stream of its own. The
     first alone computes the prompt's logprobs (the request's), the others reuse its KV."""
-    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    fields = {"n": 1, "prompt_logprobs": params.prompt_logprobs if index == 0 else None}
     if params.seed is not None:
-        seed = (params.seed + index) % SEED_LIMIT
-        return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        return replace(params, seed=(params.seed + index) % SEED_LIMIT, **fields)
     derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
-    return replace(params, n=1, _derived_seed=derived, prompt_logprobs=prompt_logprobs)
+    return replace(params, _derived_seed=derived, **fields)
 
 
 class TokenTexts:
