@@ -62,15 +62,20 @@ def annotate() -> None:
 Span = tuple[int, int, str, str]  # start ns, end ns, "host" or "device", label
 
 
-def events(trace_dir: str) -> tuple[list[Span], list[Span]]:
-    """The annotated host calls and the device's executables (consecutive kernels of one module
-    merged), in time order; and the device's kernels and copies themselves."""
+def planes(trace_dir: str) -> list:
+    """The planes (host, each device) of the trace in `trace_dir`."""
     from jax.profiler import ProfileData
 
     [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    return list(ProfileData.from_file(path).planes)
+
+
+def events(trace_dir: str) -> tuple[list[Span], list[Span]]:
+    """The annotated host calls and the device's executables (consecutive kernels of one module
+    merged), in time order; and the device's kernels and copies themselves."""
     labels = {label for _, _, label in ANNOTATED}
     host, kernels = [], []
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes(trace_dir):
         for line in plane.lines:
             for event in line.events:
                 span = (event.start_ns, event.start_ns + event.duration_ns)
@@ -127,11 +132,8 @@ def around(trace_dir: str, label: str, index: int, min_us: float = 20.0) -> None
     """Events of every host thread (those of `min_us` or more) and the device's first 24
     kernels from the start of the `index`-th call annotated `label` to 4 ms after its end, in
     ms from its end."""
-    from jax.profiler import ProfileData
-
-    [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     found = []
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes(trace_dir):
         device = plane.name.startswith("/device:GPU")
         for line in plane.lines:
             if (device and "Stream" in line.name) or plane.name.startswith("/host"):
@@ -152,24 +154,8 @@ def around(trace_dir: str, label: str, index: int, min_us: float = 20.0) -> None
             print(f"{times}  {side:6} {line[:24]:24} {name[:90]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=12, help="decode steps shown")
-    parser.add_argument("--json-schema", action="store_true")
-    parser.add_argument("--num-scheduler-steps", type=int, default=None)
-    parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--from-trace", default=None, help="a trace's folder: no run")
-    parser.add_argument("--around", default=None, help="an annotated call's label (`around`)")
-    parser.add_argument("--index", type=int, default=2, help="which call `--around` shows")
-    args = parser.parse_args()
-    if args.from_trace:
-        spans, kernels = events(args.from_trace)
-        report(spans, kernels, first_step=args.steps, num_steps=args.steps)
-        if args.around:
-            around(args.from_trace, args.around, args.index)
-        return
+def trace(args: argparse.Namespace) -> str:
+    """Runs the workload twice, tracing the second run; returns the trace's folder."""
     llm = LLM(args.model, num_scheduler_steps=args.num_scheduler_steps)
     annotate()
     schema = StructuredOutputsParams(json=BENCH_SCHEMA) if args.json_schema else None
@@ -185,6 +171,22 @@ def main() -> None:
     options.python_tracer_level = 0  # tracing every Python call would slow the host down
     with jax.profiler.trace(trace_dir, profiler_options=options):
         llm.generate(prompts, params, use_tqdm=False)
+    return trace_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=12, help="decode steps shown")
+    parser.add_argument("--json-schema", action="store_true")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--from-trace", default=None, help="a trace's folder: no run")
+    parser.add_argument("--around", default=None, help="an annotated call's label (`around`)")
+    parser.add_argument("--index", type=int, default=2, help="which call `--around` shows")
+    args = parser.parse_args()
+    trace_dir = args.from_trace or trace(args)
     spans, kernels = events(trace_dir)
     report(spans, kernels, first_step=args.steps, num_steps=args.steps)
     if args.around:
