@@ -116,11 +116,8 @@ class Attention(Qwen3Module):
         kv_cache: KVCache,
         layer: jax.Array,
         inputs: ModelInputs,
-        after: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache, jax.Array]:
-        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`, the
-        attention's output [T, N, H] before o_proj). With `after`, the cache is written only
-        once `after` is computed."""
+    ) -> tuple[jax.Array, KVCache]:
+        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`)."""
         c = self.config
         dtype = c.jnp_dtype
         d, h = c.hidden_size, c.head_dim
@@ -130,8 +127,6 @@ class Attention(Qwen3Module):
         qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
         qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
-        if after is not None:
-            qkv, _ = jax.lax.optimization_barrier((qkv, after))
         # The "pallas" decode steps fuse q/k norms, rotary embedding and the cache write.
         fused = self.kernels.decode == "pallas" and inputs.tile_size == 1
         if fused and qkv_kernel.kernel_fits(k, g, h):
@@ -154,9 +149,8 @@ class Attention(Qwen3Module):
         block_tables = inputs.block_tables + layer * kv_cache.num_blocks
         out = attend(q, key_pool, value_pool, inputs._replace(block_tables=block_tables),
                      self.kernels)  # fmt: skip
-        attended = out
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
-        return add_shards(out, dtype, self.tp_size), kv_cache, attended
+        return add_shards(out, dtype, self.tp_size), kv_cache
 
 
 class MLP(Qwen3Module):
@@ -195,13 +189,12 @@ class DecoderLayer(Qwen3Module):
         cos: jax.Array,
         sin: jax.Array,
         inputs: ModelInputs,
-        after: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache, jax.Array]:
+    ) -> tuple[jax.Array, KVCache]:
         c = self.config
         attn_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="attn_norm")(x)
         attention = Attention(c, self.tp_size, self.kernels, name="attn")
-        attn_out, kv_cache, attended = attention(attn_in, cos, sin, kv_cache, layer, inputs, after)
+        attn_out, kv_cache = attention(attn_in, cos, sin, kv_cache, layer, inputs)
         x = x + attn_out
         mlp_in = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name="mlp_norm")(x)
         x = x + MLP(c, self.tp_size, name="mlp")(mlp_in)
-        return x, kv_cache, attended
+        return x, kv_cache

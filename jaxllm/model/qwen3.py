@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -83,15 +82,9 @@ class Qwen3ForCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(inputs.positions, c.head_dim, c.rope_theta)  # [T, H] each
 
         apply_layer = jax.jit(functools.partial(_apply_layer, c, tp, self.kernels))
-        layers = [self.variables["params"][f"layers_{i}"] for i in range(c.num_layers)]
-        halves = _halves(inputs, x.shape[0])
-        if halves is None:
-            for i, layer_params in enumerate(layers):
-                x, kv_cache, _ = apply_layer(
-                    layer_params, x, kv_cache, np.int32(i), cos, sin, inputs
-                )
-        else:
-            x, kv_cache = _two_halves(apply_layer, layers, x, kv_cache, cos, sin, halves)
+        for i in range(c.num_layers):
+            layer_params = self.variables["params"][f"layers_{i}"]
+            x, kv_cache = apply_layer(layer_params, x, kv_cache, np.int32(i), cos, sin, inputs)
 
         x = RMSNorm(c.rms_norm_eps, dtype, name="final_norm")(x[inputs.sample_indices])  # [S, D]
         if c.tie_word_embeddings:
@@ -103,48 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
         return gather_shards(logits, 1, tp), kv_cache  # [S, V] (all of V)
 
 
-def _apply_layer(
-    config, tp_size, kernels, params, x, kv_cache, layer, cos, sin, inputs, after=None
-):
+def _apply_layer(config, tp_size, kernels, params, x, kv_cache, layer, cos, sin, inputs):
     """One decoder layer as a pure function of its params and a traced layer index."""
     module = DecoderLayer(config, tp_size, kernels)
-    return module.apply({"params": params}, x, kv_cache, layer, cos, sin, inputs, after)
-
-
-HALVES_FROM_ROWS = int(os.environ.get("JAXLLM_DECODE_HALVES_FROM", "0"))
-
-
-def _halves(inputs: ModelInputs, num_rows: int):
-    if not HALVES_FROM_ROWS or inputs.tile_size != 1 or num_rows < HALVES_FROM_ROWS or num_rows % 2:
-        return None
-    half = num_rows // 2
-    first = jax.tree.map(
-        lambda a: a[:half], inputs._replace(sample_indices=inputs.sample_indices[:1])
-    )
-    second = jax.tree.map(
-        lambda a: a[half:], inputs._replace(sample_indices=inputs.sample_indices[:2])
-    )
-    return half, first, second
-
-
-def _two_halves(apply_layer, layers, x, kv_cache, cos, sin, halves):
-    """The layers over two halves of a decode step's rows, each half's cache write after the
-    other's attention of the layer before, so one half's matmuls can run beside the other's
-    attention."""
-    half, first, second = halves
-    xs, coss, sins, ins = (
-        [x[:half], x[half:]],
-        [cos[:half], cos[half:]],
-        [sin[:half], sin[half:]],
-        [first, second],
-    )
-    attended = None
-    for i, layer_params in enumerate(layers):
-        for h in (0, 1):
-            xs[h], kv_cache, attended = apply_layer(
-                layer_params, xs[h], kv_cache, np.int32(i), coss[h], sins[h], ins[h], attended
-            )
-    return jnp.concatenate(xs), kv_cache
+    return module.apply({"params": params}, x, kv_cache, layer, cos, sin, inputs)
 
 
 def forward(
