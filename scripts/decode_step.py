@@ -149,12 +149,6 @@ def main() -> None:
         help="draw each sequence's context uniformly from [this, --context] (seed 0)",
     )
     parser.add_argument(
-        "--order",
-        choices=("drawn", "longest-first", "shortest-first"),
-        default="drawn",
-        help="the rows' order by context (with --min-context): as drawn, or sorted",
-    )
-    parser.add_argument(
         "--attention", choices=ATTENTION_BACKENDS, default=None, help="default: the platform's"
     )
     parser.add_argument("--table-width", type=int, default=None, help="default: the engine's")
@@ -176,8 +170,6 @@ def main() -> None:
     contexts = np.full(args.batch, args.context)
     if args.min_context is not None:
         contexts = np.random.default_rng(0).integers(args.min_context, args.context + 1, args.batch)
-    if args.order != "drawn":
-        contexts = np.sort(contexts)[:: -1 if args.order == "longest-first" else 1]
     options = {**COMPILER_OPTIONS, **kernels.compiler_options(args.batch)}  # as the engine's
     step = jax.jit(forward, static_argnums=(1, 4), donate_argnums=2, compiler_options=options)
     logits = jax.random.normal(jax.random.key(1), (args.batch, config.vocab_size), jnp.float32)
