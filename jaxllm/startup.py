@@ -30,6 +30,7 @@ from jaxllm.fields import as_int
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import (
     RANDOM_PREFIX,
+    check_checkpoint,
     check_fits,
     check_params_fit,
     load_config,
@@ -221,6 +222,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     Raises:
         ValueError: an unsupported model, a tensor-parallel size that does not divide it, or a
             KV cache too small for one max_model_len request.
+        CheckpointError: a checkpoint whose tensors do not fit its config (before any compile).
         FileNotFoundError: a model that is neither a directory nor downloadable.
     """
     cache = configure_compilation_cache()
@@ -232,6 +234,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     config = resolve_defaults(config, model_config, platform)
     mesh = make_mesh(config.tensor_parallel_size)
     check_params_fit(model_config, mesh)  # and that the mesh divides the model
+    check_checkpoint(path, dtype)  # its tensors, before the weights load beside the compile
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile

@@ -24,8 +24,8 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import Mesh
 
 from jaxllm.model.config import PRESETS, Qwen3Config, param_bytes, read_json
-from jaxllm.model.loader import CheckpointError, load_hf_checkpoint
-from jaxllm.model.qwen3 import Params, init_params, sharded_param_shapes
+from jaxllm.model.loader import CheckpointError, check_hf_checkpoint, load_hf_checkpoint
+from jaxllm.model.qwen3 import Params, abstract_params, init_params, sharded_param_shapes
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, tensor_parallel_size
 
 CONFIG_FILE = "jaxllm_config.json"
@@ -176,6 +176,22 @@ def _saved_config(path: Path) -> Qwen3Config:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a Qwen3Config: {error}") from None
 
 
+def check_orbax_checkpoint(path: str | Path) -> None:
+    """The checks of `load_orbax_checkpoint` that read no weight: the config, and the shapes and
+    dtypes of its manifest (when it has one) against the config's params.
+
+    Raises:
+        CheckpointError: as `load_orbax_checkpoint`, or a directory without its params.
+    """
+    path = Path(path).absolute()
+    saved = _saved_config(path)
+    if not (path / PARAMS_DIR).is_dir():
+        raise CheckpointError(f"orbax checkpoint {path} has no {PARAMS_DIR} directory")
+    manifest_file = path / MANIFEST_FILE
+    if manifest_file.exists():
+        _verify(path, read_json(manifest_file), abstract_params(saved), checksum=False)
+
+
 def load_orbax_checkpoint(
     path: str | Path, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
@@ -295,6 +311,23 @@ def load_params(
         return load_orbax_checkpoint(path, dtype, mesh)
     check_params_fit(config, mesh)
     return load_hf_checkpoint(path, dtype, mesh=mesh)
+
+
+def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> None:
+    """What `load_params` checks before it reads any weight, without reading one: for a start-up
+    to refuse a broken checkpoint before it compiles anything.
+
+    Raises:
+        ValueError, CheckpointError: as `load_params`.
+    """
+    load_config(path_or_preset, dtype)
+    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
+        return
+    path = Path(path_or_preset)
+    if (path / CONFIG_FILE).exists():
+        check_orbax_checkpoint(path)
+    else:
+        check_hf_checkpoint(path, dtype)
 
 
 def load_config(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Config:

@@ -232,35 +232,7 @@ def load_hf_checkpoint(
     shardings = flatten_dict(param_shardings(config, mesh or make_mesh(1)))
 
     with contextlib.ExitStack() as stack:
-        handles, problems = {}, []
-        for file in safetensors_files(path):
-            try:
-                handle = stack.enter_context(safe_open(file, framework="numpy"))
-            except SafetensorError as error:
-                raise CheckpointError(f"{file} is not a safetensors file: {error}") from None
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                if name in handles:
-                    problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
-                handles[name] = handle
-        problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
-        for name in sorted(handles.keys() - expected.keys()):
-            if not (name == TIED_EXTRA and config.tie_word_embeddings):
-                problems.append(f"unmapped tensor {name}")
-        for name, tensor in expected.items():
-            if name not in handles:
-                continue
-            hf_slice = handles[name].get_slice(name)
-            shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
-            if shape != tensor.hf_shape:
-                problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
-            if hf_dtype not in FLOAT_DTYPES:
-                floats = ", ".join(FLOAT_DTYPES)
-                problems.append(f"tensor {name} has dtype {hf_dtype}, expected one of {floats}")
-        if problems:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
-            )
-
+        handles = _open_checked(path, config, expected, stack)
         by_param: dict[tuple[str, ...], list[str]] = {}
         for name, tensor in expected.items():
             by_param.setdefault(tensor.param_path, []).append(name)
@@ -281,6 +253,60 @@ def load_hf_checkpoint(
                 params[param_path] = array
                 bar.update(len(names))
     return config, unflatten_dict(params)
+
+
+def check_hf_checkpoint(path: str | Path, dtype: str | None = None) -> None:
+    """The checks of `load_hf_checkpoint` that read no weight: the config, the index and every
+    tensor's name, shape and dtype from the files' headers.
+
+    Raises:
+        CheckpointError, ValueError: as `load_hf_checkpoint`.
+    """
+    path = Path(path)
+    config = Qwen3Config.from_hf(path)
+    config = config.replace(dtype=dtype or config.dtype)
+    with contextlib.ExitStack() as stack:
+        _open_checked(path, config, expected_tensors(config, abstract_params(config)), stack)
+
+
+def _open_checked(
+    path: Path, config: Qwen3Config, expected: dict[str, _Tensor], stack: contextlib.ExitStack
+) -> dict:
+    """Opens the checkpoint's files in `stack`: tensor name -> its file's handle, once every
+    expected tensor is found with its shape and a float dtype, and nothing else is.
+
+    Raises:
+        CheckpointError: naming every problem (see `load_hf_checkpoint`).
+    """
+    handles, problems = {}, []
+    for file in safetensors_files(path):
+        try:
+            handle = stack.enter_context(safe_open(file, framework="numpy"))
+        except SafetensorError as error:
+            raise CheckpointError(f"{file} is not a safetensors file: {error}") from None
+        for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            if name in handles:
+                problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
+            handles[name] = handle
+    problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
+    for name in sorted(handles.keys() - expected.keys()):
+        if not (name == TIED_EXTRA and config.tie_word_embeddings):
+            problems.append(f"unmapped tensor {name}")
+    for name, tensor in expected.items():
+        if name not in handles:
+            continue
+        hf_slice = handles[name].get_slice(name)
+        shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
+        if shape != tensor.hf_shape:
+            problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
+        if hf_dtype not in FLOAT_DTYPES:
+            floats = ", ".join(FLOAT_DTYPES)
+            problems.append(f"tensor {name} has dtype {hf_dtype}, expected one of {floats}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
+        )
+    return handles
 
 
 def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import gc
+import json
 import re
+import shutil
 import threading
 import time
 import weakref
@@ -20,6 +22,8 @@ import jaxllm
 import jaxllm.notebook
 from jaxllm import LLM, SamplingParams, startup
 from jaxllm.cache import LRUPolicy
+from jaxllm.model.checkpoint import MANIFEST_FILE
+from jaxllm.model.loader import CheckpointError
 from jaxllm.runner import ModelRunner
 
 PROMPT = "The capital of France is"
@@ -273,6 +277,33 @@ def test_one_call_generate_with_the_embedded_default():
         assert len(output.token_ids) == 2
     finally:
         jaxllm.notebook._shared.clear()
+
+
+@pytest.mark.parametrize("kind", ["hugging face", "orbax"])
+def test_a_broken_checkpoint_is_refused_before_anything_compiles(
+    kind, checkpoint, tmp_path, monkeypatch
+):
+    # the weights load beside the compile: their checks come first
+    broken = Path(shutil.copytree(checkpoint.path, tmp_path / "hf"))
+    if kind == "hugging face":
+        config = json.loads((broken / "config.json").read_text())
+        wider = {"intermediate_size": 2 * config["intermediate_size"]}
+        (broken / "config.json").write_text(json.dumps(config | wider))
+        expected = r"tensor model\.layers\.0\.mlp\.up_proj\.weight has shape"
+    else:
+        LLM(checkpoint.path, **BASE_SETTINGS).save(tmp_path / "orbax")
+        broken = tmp_path / "orbax"
+        manifest = json.loads((broken / MANIFEST_FILE).read_text())
+        manifest["leaves"]["final_norm/scale"]["shape"] = [1]
+        (broken / MANIFEST_FILE).write_text(json.dumps(manifest))
+        expected = r"final_norm/scale: shape \[\d+\], saved as \[1\]"
+
+    def compile_ladder(self, buckets):
+        raise AssertionError("compiled before the checkpoint was checked")
+
+    monkeypatch.setattr(ModelRunner, "compile_ladder", compile_ladder)
+    with pytest.raises(CheckpointError, match=expected):
+        LLM(str(broken), **COMPILED_AT_STARTUP)
 
 
 def test_startup_phases_account_for_the_compile(checkpoint, monkeypatch):
