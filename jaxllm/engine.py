@@ -23,6 +23,7 @@ from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
 from jaxllm.structured import Grammars, accept_tokens, ahead_holds, grammar_rows
+from jaxllm.weights import deleted_leaf
 
 
 class _Checked(NamedTuple):
@@ -216,6 +217,12 @@ class Engine:
         if self.runner.params is None:
             raise RuntimeError(
                 "the LLM's weights were dropped by sleep(level=2): call LLM.update_params first"
+            )
+        deleted = deleted_leaf(self.runner.params)
+        if deleted is not None:
+            raise RuntimeError(
+                f"the LLM's weight params{deleted} was deleted (given to update_params, then "
+                "donated to another computation?): call LLM.update_params with live arrays"
             )
 
     def _require_idle(self, what: str) -> None:

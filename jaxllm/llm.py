@@ -117,11 +117,11 @@ class LLM:
     def update_params(self, params: Any, donate: bool = False) -> None:
         """Runs with new weights (a trainer's, say), compiling nothing: a tree like `params` (or
         Hugging Face names, cast to the model's dtype). Arrays placed as the current ones are used
-        as they are, others copied to their devices (`donate`: buffers given up to the copies).
-        Empties the prefix cache.
+        as they are (a computation donating them deletes them), others copied to their devices
+        (`donate`: buffers given up to the copies). Empties the prefix cache.
 
         Raises:
-            ValueError: another tree structure, shape or dtype, naming the first difference.
+            ValueError: another tree structure, shape or dtype, or a deleted array, naming it.
             RuntimeError: requests are running (a stream not yet exhausted).
         """
         with self._lock:

@@ -75,6 +75,12 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
     return unflatten_dict(tree)
 
 
+def deleted_leaf(params: Params) -> str | None:
+    """The name of the first deleted array of `params` (one donated to a computation), or None."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return next((jax.tree_util.keystr(path) for path, leaf in leaves if leaf.is_deleted()), None)
+
+
 def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
     """`new` with the tree structure, shapes, dtypes and shardings of `current`: leaves already
     placed as the current ones are used as they are, others are copied to their sharding (on
@@ -82,8 +88,8 @@ def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
     given up to its copy, where jax can reuse it).
 
     Raises:
-        ValueError: another tree structure, or a leaf of another shape or dtype, naming the
-            first one that differs.
+        ValueError: another tree structure, a leaf of another shape or dtype, or a deleted
+            array, naming the first such leaf.
     """
     new_leaves, new_structure = jax.tree_util.tree_flatten_with_path(new)
     current_leaves, current_structure = jax.tree_util.tree_flatten_with_path(current)
@@ -97,6 +103,8 @@ def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
             "pass a tree like LLM.params"
         )
     for (path, leaf), (_, like) in zip(new_leaves, current_leaves, strict=True):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(f"params{jax.tree_util.keystr(path)} was deleted (donated?)")
         shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
         if shape != like.shape or dtype != like.dtype:  # NOTE: all checked before any donation
             raise ValueError(

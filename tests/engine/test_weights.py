@@ -75,8 +75,9 @@ def test_update_params_uses_placed_arrays_as_they_are(fresh_llm, other_llm):
         (lambda tree: {k: v for k, v in tree.items() if k != sorted(tree)[0]}, "tree structure"),
         (lambda tree: jax.tree.map(lambda x: x[..., :1], tree), "the model's is"),
         (lambda tree: jax.tree.map(lambda x: x.astype(np.float16), tree), "float16"),
+        (lambda tree: jax.tree.map(deleted_copy, tree), "was deleted"),
     ],
-    ids=["extra leaf", "missing leaf", "shape", "dtype"],
+    ids=["extra leaf", "missing leaf", "shape", "dtype", "deleted"],
 )
 def test_a_wrong_tree_is_refused_and_the_engine_keeps_its_weights(
     change, message, fresh_llm, checkpoint, greedy_prompts
@@ -87,6 +88,30 @@ def test_a_wrong_tree_is_refused_and_the_engine_keeps_its_weights(
         fresh_llm.update_params(change(fresh_llm.params))
     assert all(a is b for a, b in zip(old, jax.tree.leaves(fresh_llm.params), strict=True))
     (output,) = fresh_llm.generate([prompt], greedy_params(NUM_TOKENS), use_tqdm=False)
+    assert output.token_ids == checkpoint.greedy(prompt, NUM_TOKENS)
+
+
+def deleted_copy(array: jax.Array) -> jax.Array:
+    copy = jnp.copy(array)
+    copy.delete()
+    return copy
+
+
+def test_weights_deleted_after_update_params_are_named_and_replaceable(
+    fresh_llm, checkpoint, greedy_prompts
+):
+    # a trainer's step that donates arrays the engine runs deletes them
+    prompt, params = greedy_prompts[4], greedy_params(NUM_TOKENS)
+    fresh_llm.update_params(jax.tree.map(jnp.copy, fresh_llm.params))
+    scale = jnp.copy(fresh_llm.params["final_norm"]["scale"])
+    fresh_llm.params["final_norm"]["scale"].delete()
+    with pytest.raises(RuntimeError, match=r"params\['final_norm'\]\['scale'\] was deleted"):
+        fresh_llm.generate([prompt], params, use_tqdm=False)
+    assert_idle(fresh_llm)
+
+    live = jax.tree.map(lambda x: scale if x.is_deleted() else x, fresh_llm.params)
+    fresh_llm.update_params(live)
+    (output,) = fresh_llm.generate([prompt], params, use_tqdm=False)
     assert output.token_ids == checkpoint.greedy(prompt, NUM_TOKENS)
 
 
