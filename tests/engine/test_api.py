@@ -208,6 +208,7 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
 
     monkeypatch.setattr(jaxllm.notebook, "LLM", SlowLLM)
     monkeypatch.setattr(jaxllm.notebook, "check_model", lambda model: None)
+    monkeypatch.setattr(jaxllm.notebook, "check_checkpoint", lambda model, dtype: None)
     monkeypatch.setattr(jaxllm.notebook, "_shared", [])
 
     def run(models: list[str]) -> list[str]:
@@ -221,7 +222,7 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
     assert not built_while_running
 
 
-def test_one_call_generate_reuses_its_engine(checkpoint, llm):
+def test_one_call_generate_reuses_its_engine(checkpoint, llm, tmp_path):
     settings = BASE_SETTINGS | {"max_num_seqs": 4}
     params = SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
     try:
@@ -246,6 +247,15 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm):
             assert jaxllm.notebook._shared[0][1] is engine
         with pytest.raises(FileNotFoundError, match="does not exist"):  # a mistyped path
             jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path / "x"), **settings)
+        assert jaxllm.notebook._shared[0][1] is engine
+        # A mistyped preset, a directory that holds no checkpoint.
+        for model, error in (("random:qwen3-tinyy", "unknown preset"), (tmp_path, "neither")):
+            with pytest.raises(ValueError, match=error):
+                jaxllm.generate([[1, 2, 3]], params, model=model, **settings)
+            assert jaxllm.notebook._shared[0][1] is engine
+        # The same directory by another path: the same engine.
+        another_path = checkpoint.path / ".." / checkpoint.path.name
+        jaxllm.generate([[1, 2, 3]], params, model=another_path, **settings)
         assert jaxllm.notebook._shared[0][1] is engine
         # A policy instance serves one LLM: refused for another before the shared one is dropped.
         policy = LRUPolicy()
