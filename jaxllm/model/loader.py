@@ -168,7 +168,7 @@ def safetensors_files(path: Path) -> list[Path]:
         return files
     weight_map = read_json(index)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index} holds no weight_map (tensor name -> file)")
     names = sorted(set(weight_map.values()))
     root, problems = path.resolve(), []

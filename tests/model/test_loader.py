@@ -188,9 +188,10 @@ def test_a_shard_that_is_no_safetensors_and_an_index_without_a_map_are_named(che
     shard.write_bytes(shard.read_bytes()[:6])  # cut short
     with pytest.raises(CheckpointError, match=r"model\.safetensors is not a safetensors file"):
         load_params(checkpoint)
-    (checkpoint / INDEX_FILE).write_text(json.dumps({"metadata": {}}))
-    with pytest.raises(CheckpointError, match=f"{INDEX_FILE} holds no weight_map"):
-        load_params(checkpoint)
+    for index in ({"metadata": {}}, {"weight_map": {"model.norm.weight": None}}):
+        (checkpoint / INDEX_FILE).write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=f"{INDEX_FILE} holds no weight_map"):
+            load_params(checkpoint)
 
 
 def test_shards_linked_from_a_cache_load(checkpoint, tmp_path):
