@@ -210,7 +210,8 @@ def _is_list(value: object) -> bool:
 
 
 def _message(message: object, conversation: int, index: int) -> dict[str, Any]:
-    """Message `index` of a conversation, its content a string (or None beside tool calls)."""
+    """Message `index` of a conversation, its content a string (or None beside tool calls; an
+    assistant's None is empty)."""
     where = f"conversation {conversation}, message {index}"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"{where}: expected a dict with a string 'role', got {shown(message)}")
@@ -221,6 +222,8 @@ def _message(message: object, conversation: int, index: int) -> dict[str, Any]:
         if not all(isinstance(part.get("text"), str) for part in content):
             raise ValueError(f"{where}: a text part's 'text' must be a string")
         return message | {"content": "\n".join(part["text"] for part in content)}
+    if content is None and message["role"] == "assistant" and "tool_calls" not in message:
+        return message | {"content": ""}  # OpenAI's histories may hold such replies
     if not (isinstance(content, str) or (content is None and "tool_calls" in message)):
         raise ValueError(
             f"{where}: 'content' must be a string or a list of text parts, got {shown(content)}"

@@ -303,6 +303,12 @@ def test_chat_takes_vllms_arguments(text_llm):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     (tools,) = text_llm.chat([{"role": "user", "content": question}], params, False, tools=[tool])
     assert "get_weather" in tools.prompt and tools.prompt.endswith(head.split("user\n")[-1])
+    # vLLM's rule: an assistant's reply of None content is an empty one
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": None}]
+    empty = [history[0], history[1] | {"content": ""}]
+    again = [{"role": "user", "content": question}]
+    (none,), (blank,) = (text_llm.chat(h + again, params, False) for h in (history, empty))
+    assert none.prompt == blank.prompt
     assert_idle(text_llm)
 
 
