@@ -133,7 +133,7 @@ def jaxllm_options(sweep: str, splits: list[int]) -> list[dict]:
             dict(rows=rows, num_warps=warps, num_stages=stages)
             for rows in (64, 128)
             for warps in (4, 8)
-            for stages in (2, 3, 4)
+            for stages in (2, 3)
         ]
     # {}: the default (num_splits_for: 2 per sequence at G=256, 4 at G=128, 8 at G=64).
     return [{}] + [dict(num_splits=n) for n in splits]
