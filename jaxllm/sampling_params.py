@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +12,12 @@ import numpy as np
 
 from jaxllm.fields import FLAG, Check, as_int, as_real, as_str, as_tuple, check_fields, shown
 
+logger = logging.getLogger(__name__)
+
 # A seed's range: any 64-bit unsigned value (the device keys its stream with all 64 bits).
 SEED_LIMIT = 2**64
+# The smallest temperature above 0, as vLLM's (which names numerical errors below it).
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,8 @@ class SamplingParams:
     Python int and float. Booleans are not numbers, and flags must be booleans.
 
     Attributes:
-        temperature: 0 means greedy; otherwise logits are divided by it. Range [0, inf).
+        temperature: 0 means greedy; otherwise logits are divided by it, at least
+            `MIN_TEMPERATURE` (a smaller one is raised to it, with a warning). Range [0, inf).
         top_k: keep the k most likely tokens; 0 (or -1) keeps all.
         top_p: keep the smallest set of tokens whose probability, among those min-p and top-k
             keep, reaches top_p. Range (0, 1].
@@ -103,7 +109,7 @@ class SamplingParams:
         include_stop_str_in_output: the text keeps the stop string, or the stop token's
             text, that ended it (vLLM's meaning); streamed text is then not held back.
         seed: makes this request's samples reproducible, whatever else is in the batch.
-            Range [0, 2**64).
+            Range [0, 2**64); -1 means None (vLLM's).
         skip_special_tokens: drop special tokens when decoding the text.
         detokenize: False leaves the text empty and logprobs' tokens unnamed (decoded_token
             None), as in vLLM; stop strings need the text.
@@ -165,9 +171,19 @@ class SamplingParams:
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if as_int(self.seed) == -1:  # vLLM's "no seed"
+            object.__setattr__(self, "seed", None)
         check_fields(self, _CHECKS, prefix="SamplingParams.", optional={"max_tokens"})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "SamplingParams.temperature=%s is raised to %s, as vLLM does to avoid numerical "
+                "errors; 0 is greedy",
+                self.temperature,
+                MIN_TEMPERATURE,
+            )
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         min_tokens = as_int(self.min_tokens)
         if min_tokens is None or not 0 <= min_tokens <= (self.max_tokens or math.inf):
             raise ValueError(

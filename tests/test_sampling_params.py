@@ -2,6 +2,7 @@
 scalars included) construct and normalize to Python values."""
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from jaxllm.cache import LRUPolicy
 from jaxllm.config import EngineConfig
-from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxllm.sampling_params import MIN_TEMPERATURE, SamplingParams, StructuredOutputsParams
 
 INVALID = [
     ("temperature", -0.1),
@@ -61,8 +62,8 @@ INVALID = [
     ("stop_token_ids", [True]),
     ("stop_token_ids", 7),
     ("stop_token_ids", np.array([[1, 2]])),
-    ("seed", -1),
-    ("seed", np.int64(-1)),
+    ("seed", -2),
+    ("seed", np.int64(-2)),
     ("seed", 2**64),
     ("seed", 1.0),
     ("seed", "42"),
@@ -111,6 +112,21 @@ def test_stop_string_becomes_a_tuple():
 def test_top_k_minus_one_means_off():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(top_k=-1) == SamplingParams()
+
+
+def test_seed_minus_one_means_none():  # vLLM's rule
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=np.int64(-1)) == SamplingParams()
+
+
+def test_a_temperature_below_vllms_floor_is_raised_to_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxllm.sampling_params"):
+        params = SamplingParams(temperature=1e-6)
+    assert params.temperature == MIN_TEMPERATURE == 0.01 and not params.greedy
+    assert "temperature=1e-06 is raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=np.float32(0.005)).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.0).temperature == 0.0
+    assert SamplingParams(temperature=0.01).temperature == 0.01
 
 
 def test_greedy_and_seed():
