@@ -83,11 +83,12 @@ class Engine:
         """A request, validated but not queued (`add` queues it); changes nothing else.
 
         Raises:
-            ValueError: a token id outside the vocabulary, logprobs above max_logprobs, an
-                invalid structured output, or a request the scheduler refuses
+            ValueError: a token id outside the vocabulary, logprobs above max_logprobs or
+                the vocabulary, an invalid structured output, or a request the scheduler refuses
                 (`Scheduler.new_sequence`).
             ImportError: structured outputs without llguidance installed.
         """
+        vocab = self.runner.config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
@@ -95,7 +96,10 @@ class Engine:
                     f"SamplingParams.{name}={value} is more than max_logprobs="
                     f"{self.config.max_logprobs} (an LLM setting)"
                 )
-        vocab = self.runner.config.vocab_size
+            if value is not None and value > vocab:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than the model's vocabulary ({vocab})"
+                )
         ids = np.asarray(prompt_token_ids)
         bad = ids[(ids < 0) | (ids >= vocab)] if ids.ndim == 1 and ids.size else ids[:0]
         if bad.size:

@@ -114,6 +114,18 @@ def test_logprobs_above_the_cap_are_refused(llm, greedy_prompts):
     assert_idle(llm)
 
 
+def test_logprobs_above_the_vocabulary_are_refused(make_llm, greedy_prompts):
+    llm = make_llm(max_logprobs=300)
+    vocab = llm.model_config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        too_many = greedy_params(2, **{name: vocab + 1})
+        with pytest.raises(ValueError, match=rf"{name}={vocab + 1} is more than the model's"):
+            llm.generate([greedy_prompts[0], greedy_prompts[1]], too_many, use_tqdm=False)
+    (output,) = llm.generate(greedy_prompts[0], greedy_params(2, logprobs=vocab), use_tqdm=False)
+    assert all(len(entry) == vocab for entry in output.outputs[0].logprobs)
+    assert_idle(llm)
+
+
 def test_prompt_logprobs_equal_transformers(make_llm, checkpoint, greedy_prompts):
     """Every prompt token's logprob and top ones, computed in chunks whose every row is sampled;
     a prompt already in the prefix cache is computed again (no hits)."""
