@@ -41,10 +41,10 @@ class EngineConfig:
             GPU, 1 on a CPU.
         max_logprobs: the most `SamplingParams.logprobs` a request may ask for (the top tokens
             every step with logprobs computes).
-        logprobs_mode: "raw_logprobs": generated tokens' logprobs from the model's logits;
-            "processed_logprobs": from the logits each row samples from, after penalties,
-            bias, temperature, min-p, top-k and top-p (removed tokens at -inf). Prompt
-            logprobs are raw either way.
+        logprobs_mode: "raw_logprobs": generated tokens' logprobs from the model's logits
+            (a structured output's mask applied, as vLLM's); "processed_logprobs": from the
+            logits each row samples from, after penalties, bias, temperature, min-p, top-k and
+            top-p (removed tokens at -inf). Prompt logprobs are raw either way.
 
     Integers may be Python or numpy integers, numbers numpy floats too (stored as Python
     values); booleans are not numbers, and flags must be booleans.

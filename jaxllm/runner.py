@@ -309,13 +309,12 @@ class ModelRunner:
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, bitmask, previous_tokens)
         else:
             logits, bitmask = self._dispatch_forward(bucket, arrays, previous_tokens, masks)
+            if bitmask is not None:  # NOTE: raw logprobs read the masked logits, as vLLM's
+                logits = self.processors.mask(logits, bitmask, donate=True)
             processed = logits
-            keep_raw = plan.logprobs and not self._processed_logprobs  # logprobs read them
-            if bitmask is not None:
-                processed = self.processors.mask(logits, bitmask, donate=not keep_raw)
             if plan.processors is not None:
-                donate = processed is not logits or not keep_raw
-                processed, rows = self.processors.apply(processed, plan.processors, donate)
+                donate = not plan.logprobs or self._processed_logprobs  # raw ones read them
+                processed, rows = self.processors.apply(logits, plan.processors, donate)
             last, tokens = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
             if plan.processors is not None:
                 self.processors.count(rows, last)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import math
 import re
 import threading
 import time
@@ -123,8 +124,8 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(text_llm):
 
 
 def test_choices_hold_with_logprobs_and_penalties(text_llm):
-    """With logprobs (read from the raw logits) or penalties (applied after the mask), the
-    outputs follow the grammar, and each token's logprob is reported."""
+    """With logprobs (of the masked logits, as vLLM's raw ones) or penalties (applied after
+    the mask), the outputs follow the grammar, and each token's logprob is reported."""
     constraint = StructuredOutputsParams(choice=["north", "south", "east", "west"])
     for settings in ({"logprobs": 3}, {"repetition_penalty": 1.3, "presence_penalty": 0.5}):
         for completion in sample_all(text_llm, constraint, max_tokens=16, **settings):
@@ -132,7 +133,12 @@ def test_choices_hold_with_logprobs_and_penalties(text_llm):
             if "logprobs" in settings:
                 assert len(completion.logprobs) == len(completion.token_ids)
                 for token, entries in zip(completion.token_ids, completion.logprobs, strict=True):
-                    assert token in entries and entries[token].logprob < 0
+                    assert token in entries and entries[token].logprob <= 0
+                # the first token's likeliest are the grammar's: each starts a choice
+                for first, entry in completion.logprobs[0].items():
+                    text = text_llm.tokenizer.decode([first])
+                    allowed = any(choice.startswith(text) for choice in constraint.choice)
+                    assert allowed or entry.logprob == -math.inf, (text, entry)
 
 
 def test_allowed_tokens_narrow_the_grammar_and_never_empty_it(text_llm):
