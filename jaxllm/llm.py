@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
-import itertools
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,9 +20,9 @@ from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.outputs import RequestOutput, StreamDelta
 from jaxllm.platform import Platform
-from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts
+from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts, with_derived_seeds
 from jaxllm.request import Request
-from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.startup import check_model, generation_fields, start_engine
 
 Message = dict[str, Any]
@@ -62,7 +60,7 @@ class LLM:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}
-        self._seed_counter = itertools.count(1)
+        self._seeds_drawn = 0  # derived seeds of the requests validated so far
         self._lock = threading.Lock()
         # NOTE: outputs of requests finished by a step that another call ran (an interleaved
         # `stream`), kept until their caller asks.
@@ -264,7 +262,7 @@ class LLM:
         hold_back = max((len(stop) - 1 for stop in stops), default=0)  # what may start one
         sent_tokens, sent_chars = [0] * len(seqs), [0] * len(seqs)
         try:
-            with self._lock:
+            with self._lock, interrupts_held():
                 self.engine.check_awake()  # NOTE: again: it may have slept since `stream`
                 self.engine.add(request)
             while True:
@@ -334,7 +332,11 @@ class LLM:
         `jaxllm.prompts`)."""
         self.engine.check_awake()
         parsed = parse_prompts(prompts)
-        params = self._params_per_prompt(sampling_params, len(parsed))
+        default = self.get_default_sampling_params()
+        params = one_per_prompt(
+            default if sampling_params is None else sampling_params, len(parsed)
+        )
+        params, seeds_drawn = with_derived_seeds(params, self.config.seed, self._seeds_drawn)
         requests = []
         for index, ((text, tokens), param) in enumerate(zip(parsed, params, strict=True)):
             if tokens is None:
@@ -343,20 +345,8 @@ class LLM:
                 requests.append(self.engine.new_request(tokens, param, prompt=text))
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
+        self._seeds_drawn = seeds_drawn  # NOTE: a refused call draws none
         return requests
-
-    def _params_per_prompt(
-        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-    ) -> list[SamplingParams]:
-        """One SamplingParams per prompt, unseeded ones given a derived seed."""
-        default = self.get_default_sampling_params()
-        params = one_per_prompt(default if sampling_params is None else sampling_params, count)
-        # NOTE: requests without a seed of their own still get a stream of their own.
-        for index, param in enumerate(params):
-            if param.seed is None:
-                seed = hash((self.config.seed, next(self._seed_counter))) % SEED_LIMIT
-                params[index] = dataclasses.replace(param, _derived_seed=seed)
-        return params
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -368,11 +358,13 @@ class LLM:
         # NOTE: what lives now (the engine, jax, the caller's objects) is frozen for the call
         # only (the collector's passes as outputs pile up skip it; a dropped engine is freed),
         # unless the caller froze objects: unfreezing ours would unfreeze theirs.
-        if freeze := gc.get_freeze_count() == 0:
-            gc.freeze()
+        freeze = False
         try:
-            for request in requests:
-                engine.add(request)
+            if freeze := gc.get_freeze_count() == 0:
+                gc.freeze()
+            with interrupts_held():  # NOTE: a request half added could not be aborted
+                for request in requests:
+                    engine.add(request)
             while len(outputs) < len(ids):
                 step_before = engine.stats.snapshot()
                 for request_id in self._step():
@@ -393,8 +385,9 @@ class LLM:
                     self._finished.pop(request_id, None)
             raise
         finally:
-            bar.close()
-            if freeze:
-                gc.unfreeze()
+            with interrupts_held():
+                bar.close()
+                if freeze:
+                    gc.unfreeze()
         self.last_run_stats = engine.stats.since(before)
         return [outputs[request_id] for request_id in ids]

@@ -16,6 +16,7 @@ engine's check.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -23,7 +24,7 @@ import jinja2
 import numpy as np
 
 from jaxllm.fields import as_int, shown
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 
 TokenIds = Sequence[int] | np.ndarray
 Prompt = str | TokenIds | dict[str, Any]
@@ -261,3 +262,17 @@ def one_per_prompt(
                 f"{type(param).__name__} {shown(param)}"
             )
     return params
+
+
+def with_derived_seeds(
+    params: list[SamplingParams], engine_seed: int, drawn: int
+) -> tuple[list[SamplingParams], int]:
+    """`params`, each unseeded one given a derived seed of its own (a stream of its own: the
+    hash of the engine's seed and its draw, counted on from `drawn`), and the draws counted."""
+    params = list(params)
+    for index, param in enumerate(params):
+        if param.seed is None:
+            drawn += 1
+            seed = hash((engine_seed, drawn)) % SEED_LIMIT
+            params[index] = dataclasses.replace(param, _derived_seed=seed)
+    return params, drawn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import dataclasses
 import gc
@@ -423,6 +424,36 @@ def test_a_dropped_llm_is_freed_with_what_was_alive_when_it_ran(checkpoint):
     del llm, cycle
     gc.collect()
     assert engine() is None and cycle_ref() is None
+
+
+def test_an_interrupt_as_the_progress_bar_closes_leaves_the_collector_unfrozen(llm, monkeypatch):
+    class InterruptedBar(jaxllm.llm.tqdm):
+        def close(self) -> None:
+            if not getattr(self, "interrupted", False):  # once: its __del__ closes it again
+                self.interrupted = True
+                _thread.interrupt_main()  # Ctrl-C as the call ends
+                time.sleep(0.01)
+            super().close()
+
+    monkeypatch.setattr(jaxllm.llm, "tqdm", InterruptedBar)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], greedy_params(2), use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+    assert_idle(llm)
+
+
+def test_a_refused_call_leaves_the_seeds_of_unseeded_requests_as_they_were(
+    checkpoint, greedy_prompts
+):
+    # a notebook cell run again once its typo is fixed samples what a fresh LLM would
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    used, fresh = (LLM(str(checkpoint.path), **BASE_SETTINGS) for _ in range(2))
+    with pytest.raises(ValueError, match="prompt 1"):
+        used.generate([greedy_prompts[0], [10**9]], params, use_tqdm=False)
+    outputs = used.generate(greedy_prompts[:2], params, use_tqdm=False)
+    expected = fresh.generate(greedy_prompts[:2], params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
 
 
 def test_objects_the_caller_froze_stay_frozen(llm):

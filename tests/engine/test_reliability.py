@@ -93,6 +93,32 @@ def test_interrupt_inside_a_step_is_held_until_the_step_ends(
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("entry", ["generate", "stream"])
+def test_an_interrupt_while_requests_are_queued_leaves_none_half_queued(
+    entry, make_llm, greedy_prompts, greedy_reference
+):
+    llm = make_llm(max_num_seqs=4)
+    scheduler = llm.engine.scheduler
+
+    class InterruptedOnce(dict):
+        def __setitem__(self, seq_id, seq):
+            scheduler._live = dict(self)
+            _thread.interrupt_main()  # arrives between the scheduler's queue and its live set
+            time.sleep(0.01)
+            scheduler._live[seq_id] = seq
+
+    scheduler._live = InterruptedOnce(scheduler._live)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if entry == "generate":
+                llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
+            else:
+                next(llm.stream(greedy_prompts[0], greedy_params()))
+    finally:
+        scheduler._live = dict(scheduler._live)
+    assert_serves_the_reference(llm, greedy_prompts[:NUM_PROMPTS], greedy_reference[:NUM_PROMPTS])
+
+
 def test_a_second_interrupt_while_a_call_aborts_its_requests_leaves_none_running(
     make_llm, greedy_prompts, greedy_reference
 ):
