@@ -123,7 +123,7 @@ def test_a_failing_chat_template_is_a_value_error(template, text_llm):
         ("min_tokens", 100),
         ("stop", ""),
         ("stop_token_ids", [-1]),
-        ("seed", -1),
+        ("seed", -2),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value, llm, reference):
