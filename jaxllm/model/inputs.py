@@ -68,6 +68,39 @@ class ModelInputs(NamedTuple):
         )
 
 
+def fill_chunks(
+    inputs: ModelInputs, tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Lays chunks of sequences out in `inputs` (padding already): chunk i, tokens starts[i] ..
+    starts[i] + counts[i] - 1 of the sequence whose blocks are tables[i], padded at the front to
+    whole tiles; its last row sampled. Writes all but the token ids, whose rows it returns: [N],
+    chunk i's first_rows[i] + padding[i] ... + counts[i] - 1."""
+    num, tile = len(counts), inputs.tile_size
+    num_tiles = -(-counts // tile)  # [n]
+    padding = num_tiles * tile - counts  # [n] front padding of each chunk
+    first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
+
+    chunk_firsts = np.cumsum(counts) - counts  # [n] offsets in the concatenated chunks
+    base = np.arange(int(counts.sum()), dtype=np.int64)  # [N]
+    token_positions = base + np.repeat(starts - chunk_firsts, counts)  # [N]
+    rows = base + np.repeat(first_rows + padding - chunk_firsts, counts)  # [N]
+    block_indices, offsets = np.divmod(token_positions, block_size)  # [N], [N]
+    block_indices += np.repeat(np.arange(num) * tables.shape[1], counts)
+    inputs.positions[rows] = token_positions
+    inputs.slot_mapping[rows] = np.take(tables.ravel(), block_indices) * block_size + offsets
+
+    # Tiles: tile j of chunk i ends at position starts[i] - padding[i] + (j + 1) * tile - 1.
+    num_real_tiles = int(num_tiles.sum())
+    seq_of_tile = np.repeat(np.arange(num), num_tiles)  # [g]
+    tile_index = np.arange(num_real_tiles) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)
+    inputs.block_tables[:num_real_tiles, : tables.shape[1]] = tables[seq_of_tile]
+    inputs.context_lens[:num_real_tiles] = (
+        np.repeat(starts - padding, num_tiles) + (tile_index + 1) * tile
+    )
+    inputs.sample_indices[:num] = first_rows + num_tiles * tile - 1
+    return rows
+
+
 class SamplingInputs(NamedTuple):
     """Per-row sampling settings of one step (a pytree of [S] arrays).
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxllm.model.attention import PORTABLE
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.inputs import ModelInputs
+from jaxllm.model.inputs import ModelInputs, fill_chunks
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import Params, forward
 
@@ -46,21 +46,13 @@ def sequence_logprobs(params: Params, config: Qwen3Config, token_ids: jax.Array)
 
 
 def _layout(num_seqs: int, length: int) -> ModelInputs:
-    """The inputs of B sequences of L tokens as one prefill step (numpy; token ids 0), every
-    real row sampled, in order."""
-    padded = -(-length // TILE) * TILE
-    padding = padded - length
-    blocks_per_seq = -(-length // BLOCK_SIZE)
-    tiles_per_seq = padded // TILE
+    """The inputs of B sequences of L tokens as one prefill step (numpy; token ids 0), each in
+    blocks of its own, every real row sampled, in order."""
+    padded, blocks_per_seq = -(-length // TILE) * TILE, -(-length // BLOCK_SIZE)
     inputs = ModelInputs.padding(
-        num_seqs * padded, num_seqs * tiles_per_seq, num_seqs * length, blocks_per_seq
+        num_seqs * padded, num_seqs * padded // TILE, num_seqs * length, blocks_per_seq
     )
-    seq = np.arange(num_seqs)[:, None]
-    rows = seq * padded + padding + np.arange(length)  # [B, L]
-    inputs.positions[rows] = np.arange(length)
-    inputs.slot_mapping[rows] = (seq * blocks_per_seq) * BLOCK_SIZE + np.arange(length)
-    tables = seq * blocks_per_seq + np.arange(blocks_per_seq)  # [B, W]
-    inputs.block_tables[:] = np.repeat(tables, tiles_per_seq, axis=0)
-    inputs.context_lens[:] = np.tile((np.arange(tiles_per_seq) + 1) * TILE - padding, num_seqs)
-    inputs.sample_indices[:] = rows.reshape(-1)
+    tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+    starts, counts = np.zeros(num_seqs, np.int64), np.full(num_seqs, length, np.int64)
+    inputs.sample_indices[:] = fill_chunks(inputs, tables, starts, counts, BLOCK_SIZE)
     return inputs

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxllm.model.inputs import ModelInputs, SamplingInputs
+from jaxllm.model.inputs import ModelInputs, SamplingInputs, fill_chunks
 from jaxllm.sched.buckets import Bucket, BucketLadder, StepKind
 from jaxllm.sched.processors import ProcessorPlan, processor_plan
 from jaxllm.sched.sequence import Sequence
@@ -136,7 +136,7 @@ def plan_step(
         token_ids = np.concatenate(
             [seq.token_ids[start:end] for seq, start, end in zip(seqs, starts, ends, strict=True)]
         )
-        rows = _fill_tiles(inputs, tables, starts_array, counts_array, block_size)  # [N]
+        rows = fill_chunks(inputs, tables, starts_array, counts_array, block_size)  # [N]
     inputs.token_ids[rows] = token_ids
     steps = [end - seq.num_prompt_tokens for seq, end in zip(seqs, ends.tolist(), strict=True)]
     sampling = SamplingInputs.from_params([seq.params for seq in seqs], steps, bucket.num_sampled)
@@ -183,7 +183,7 @@ def _step_slots(
 def _fill_decode(
     inputs: ModelInputs, tables: np.ndarray, starts: np.ndarray, block_size: int
 ) -> np.ndarray:
-    """`_fill_tiles` for tiles of one token, one per sequence (a decode step): row i is
+    """`fill_chunks` for tiles of one token, one per sequence (a decode step): row i is
     sequence i's token, at position starts[i]; returns the rows, [n]."""
     rows = np.arange(len(starts))
     block_ids = tables[rows, starts // block_size]
@@ -192,38 +192,6 @@ def _fill_decode(
     inputs.block_tables[rows, : tables.shape[1]] = tables
     inputs.context_lens[rows] = starts + 1
     inputs.sample_indices[rows] = rows
-    return rows
-
-
-def _fill_tiles(
-    inputs: ModelInputs, tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int
-) -> np.ndarray:
-    """Lays the chunks out in `inputs` (padding already), each padded at the front to whole
-    tiles, all but the token ids, whose rows it returns: [N], chunk i's first_rows[i] +
-    padding[i] ... + counts[i] - 1."""
-    num, tile = len(counts), inputs.tile_size
-    num_tiles = -(-counts // tile)  # [n]
-    padding = num_tiles * tile - counts  # [n] front padding of each chunk
-    first_rows = np.cumsum(num_tiles * tile) - num_tiles * tile  # [n]
-
-    chunk_firsts = np.cumsum(counts) - counts  # [n] offsets in the concatenated chunks
-    base = np.arange(int(counts.sum()), dtype=np.int64)  # [N]
-    token_positions = base + np.repeat(starts - chunk_firsts, counts)  # [N]
-    rows = base + np.repeat(first_rows + padding - chunk_firsts, counts)  # [N]
-    block_indices, offsets = np.divmod(token_positions, block_size)  # [N], [N]
-    block_indices += np.repeat(np.arange(num) * tables.shape[1], counts)
-    inputs.positions[rows] = token_positions
-    inputs.slot_mapping[rows] = np.take(tables.ravel(), block_indices) * block_size + offsets
-
-    # Tiles: tile j of chunk i ends at position starts[i] - padding[i] + (j + 1) * tile - 1.
-    num_real_tiles = int(num_tiles.sum())
-    seq_of_tile = np.repeat(np.arange(num), num_tiles)  # [g]
-    tile_index = np.arange(num_real_tiles) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)
-    inputs.block_tables[:num_real_tiles, : tables.shape[1]] = tables[seq_of_tile]
-    inputs.context_lens[:num_real_tiles] = (
-        np.repeat(starts - padding, num_tiles) + (tile_index + 1) * tile
-    )
-    inputs.sample_indices[:num] = first_rows + num_tiles * tile - 1
     return rows
 
 

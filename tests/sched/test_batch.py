@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.sched import Harness, assert_plan_contract, make_config, make_scheduler, make_seq
 
+from jaxllm.model.inputs import fill_chunks
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder
-from jaxllm.sched.plan import _fill_decode, _fill_tiles
+from jaxllm.sched.plan import _fill_decode
 
 
 def test_ladder_rungs_and_buckets():
@@ -229,7 +230,7 @@ def test_multi_step_rows_past_their_steps_attend_within_their_table():
     data=st.data(),
 )
 def test_decode_layout_is_the_tile_layout_of_one_token_tiles(block_size, num_seqs, width, data):
-    """A decode step's layout (`_fill_decode`) equals the general one (`_fill_tiles`) for
+    """A decode step's layout (`_fill_decode`) equals the general one (`fill_chunks`) for
     tiles of one token, one per sequence, in a padded bucket."""
     tables = np.array(
         data.draw(st.lists(st.lists(st.integers(0, 99), min_size=width, max_size=width),
@@ -243,7 +244,7 @@ def test_decode_layout_is_the_tile_layout_of_one_token_tiles(block_size, num_seq
     bucket = Bucket("decode", num_seqs + 2, num_seqs + 2, num_seqs + 2, width + 1)
     fast, general = bucket.padding()[0], bucket.padding()[0]
     rows = _fill_decode(fast, tables, starts, block_size)
-    expected = _fill_tiles(general, tables, starts, np.ones_like(starts), block_size)
+    expected = fill_chunks(general, tables, starts, np.ones_like(starts), block_size)
     assert rows.tolist() == expected.tolist()
     for name, array in fast._asdict().items():
         assert array.tolist() == getattr(general, name).tolist(), name
