@@ -294,6 +294,7 @@ class Engine:
             kind.tokens += plan.num_tokens
             kind.seconds += time.perf_counter() - start
             kind.steps += 1
+            kind.forward_passes += plan.bucket.num_steps
             kind.dispatch_seconds += dispatch_seconds
             kind.wait_seconds += seconds["wait"]
             kind.masks_seconds += seconds["masks"]

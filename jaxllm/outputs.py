@@ -183,10 +183,12 @@ class StreamDelta(NamedTuple):
 
 @dataclass
 class StepStats:
-    """Tokens and seconds of one kind of step (prefill or decode), accumulated."""
+    """Tokens and seconds of one kind of step (prefill or decode), accumulated. A step is one
+    plan (`Engine.step`): a decode plan may run several forward passes (`forward_passes`)."""
 
     tokens: int = 0
     steps: int = 0
+    forward_passes: int = 0
     # The wall time of `Engine.step`.
     seconds: float = 0.0
     # Of it, in `ModelRunner.execute`.
@@ -218,11 +220,14 @@ class EngineStats:
         return EngineStats(replace(self.prefill), replace(self.decode))
 
     def since(self, before: EngineStats) -> dict[str, float]:
-        """Throughput and the parts of a decode step's wall time (handing it to the device,
-        waiting for tokens) since `before`."""
+        """Throughput and the parts of a decode step's (a plan's) wall time (handing it to the
+        device, waiting for tokens) since `before`."""
         prefill, decode = self.prefill - before.prefill, self.decode - before.decode
         per_step = lambda seconds: 1e3 * seconds / decode.steps if decode.steps else 0.0
+        passes = decode.forward_passes
         return {
+            "decode_forward_passes": passes,
+            "decode_ms_per_forward_pass": 1e3 * decode.seconds / passes if passes else 0.0,
             "prefill_tok_s": prefill.tokens_per_second,
             "decode_tok_s": decode.tokens_per_second,
             "prefill_steps": prefill.steps,

@@ -178,7 +178,9 @@ for path in sorted(pathlib.Path(sys.argv[1]).rglob("*.json")):
         continue
     rows.append((str(path.relative_to(sys.argv[1])), r["throughput_tok_s"], r.get("bound_ratio") or 0,
                  r["decode_ms_per_step"], r["decode_dispatch_ms_per_step"],
-                 r["decode_wait_ms_per_step"], r["startup_s"], r["compilations_during_run"]))
+                 r["decode_wait_ms_per_step"], r["startup_s"],
+                 r["compilations_during_run"] + r.get("executables_built_during_run", 0)))
+# decode ms, dispatch and wait: per plan (of 1 to num_scheduler_steps decode steps)
 print(f"{'record':44} {'tok/s':>9} {'ratio':>6} {'decode ms':>9} {'dispatch':>8} {'wait':>6} "
       f"{'start s':>7} {'compiles':>8}")
 for row in rows:

@@ -31,12 +31,8 @@ import xxhash
 from jaxllm.cache import CacheStats
 from jaxllm.cache.eviction import POLICIES
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV, Platform
+from jaxllm.research.bound import physical_bound
 from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
-
-# The H200 ceilings measured on the device (shared/PERFORMANCE.md): device copy and bf16 matmul.
-H200_BANDWIDTH = 4.3e12
-H200_FLOPS = 790e12
-
 
 # nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].
 MIN_LEN = 100
@@ -101,37 +97,6 @@ def fixed_workload(num_seqs: int, input_len: int, output_len: int, seed: int = 0
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, 10000, (num_seqs, input_len)).tolist()
     return prompts, [output_len] * num_seqs
-
-
-def physical_bound(
-    config,
-    prompt_lens,
-    output_lens,
-    tp=1,
-    bandwidth=H200_BANDWIDTH,
-    flops=H200_FLOPS,
-    dtype_bytes=2,
-) -> dict:
-    """The lower bound on the workload's time (the model of shared/perf/bound.py).
-
-    Decode steps read the weights once and the KV cache of every running sequence (bandwidth
-    bound); prefill does the matmul and causal-attention FLOPs (compute bound).
-    """
-    d, hd = config.hidden_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    layer_params = d * q + 2 * d * kv + q * d + 3 * d * config.intermediate_size
-    embed = config.vocab_size * d
-    params = config.num_layers * layer_params + embed * (1 if config.tie_word_embeddings else 2)
-    step_weight_bytes = (config.num_layers * layer_params + embed) * dtype_bytes / tp
-    kv_bytes_per_token = config.num_layers * 2 * kv * dtype_bytes / tp
-    prefill_flops = sum(prompt_lens) * 2 * params / tp
-    prefill_flops += sum(2 * n * n * q * config.num_layers for n in prompt_lens) / tp
-    decode_s = 0.0
-    for step in range(max(output_lens)):
-        context = sum(n + step for n, m in zip(prompt_lens, output_lens, strict=True) if m > step)
-        decode_s += (step_weight_bytes + context * kv_bytes_per_token) / bandwidth
-    total = prefill_flops / flops + decode_s
-    return {"bound_s": total, "bound_tok_per_s": sum(output_lens) / total}
 
 
 def workload_record(
@@ -230,10 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --fixed-lengths: run it this many times, run i on prompts of seed i, and "
         "record the run of median throughput (every run's in runs_tok_s)",
     )
-    add_workload_arguments(parser, required=False)
+    workload_flags = add_workload_arguments(parser, required=False)
     args = parser.parse_args(argv)
-    if args.repeat < 1 or (args.repeat > 1 and not args.fixed_lengths):
-        parser.error("--repeat takes a positive count, and more than 1 only with --fixed-lengths")
+    if args.repeat < 1 or (args.repeat > 1 and not args.fixed_lengths) or args.repeat % 2 == 0:
+        parser.error(
+            "--repeat takes an odd count (its median run is recorded), more than 1 only "
+            "with --fixed-lengths"
+        )
+    stray = [f for f, dest in workload_flags if getattr(args, dest) != parser.get_default(dest)]
+    if stray and not args.workload:
+        parser.error(f"{', '.join(stray)} apply to a --workload only")
+    if args.fixed_lengths and (args.max_input_len or args.max_output_len):
+        parser.error("--max-input-len and --max-output-len do not apply to --fixed-lengths")
     if args.num_seqs is not None and args.num_seqs < 1:
         parser.error("--num-seqs must be at least 1")
     if args.fixed_lengths and min(args.fixed_lengths) < 1:
@@ -251,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         if not requests:
             parser.error("the workload has no requests")
+        if any(request.arrival_time is not None for request in requests):
+            parser.error("the workload has arrival times; bench.py runs every request at once")
     for flag in ("--max-input-len", "--max-output-len"):
         if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value < MIN_LEN:
             parser.error(f"{flag} must be at least {MIN_LEN}: nano-vllm's lengths run from it")
@@ -298,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
     schema = SCHEMAS[args.json_schema] if args.json_schema else None
     try:  # what the flags alone decide is refused before the engine starts
-        structured = None if schema is None else StructuredOutputsParams(json=schema)
+        # NOTE: no free whitespace, which random weights would fill most tokens with
+        structured = None
+        if schema is not None:
+            structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         params = [
             SamplingParams(
                 temperature=0.6,
@@ -308,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                 logprobs=args.logprobs,
                 repetition_penalty=args.repetition_penalty,
                 structured_outputs=structured,
+                extra_args=request.metadata if requests else None,
             )
-            for n, seed in zip(max_tokens, seeds, strict=True)
+            for n, seed, request in zip(max_tokens, seeds, requests or seeds, strict=True)
         ]
         llm = LLM(
             model,
@@ -319,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             eviction_policy=args.eviction_policy,
             compile_at_startup=args.compile_at_startup,
             num_scheduler_steps=args.num_scheduler_steps,
+            max_logprobs=max(args.logprobs or 0, 20),
             **engine_kwargs,
         )
     except (OSError, TypeError, ValueError) as error:  # a value out of range, a missing model
@@ -333,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = dataclasses.replace(params[0], temperature=0.0, max_tokens=warmup_tokens)
     llm.generate(["Benchmark: "], warmup, use_tqdm=False)
 
-    compilations = count_compilations()
+    compilations, built_before = count_compilations(), llm.engine.runner.num_compiled
     stats_before = llm.cache_stats()
     preemptions_before = llm.engine.scheduler.num_preemptions
     runs = []
@@ -347,7 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
         runs.append((total / elapsed, elapsed, total, llm.last_run_stats, outputs))
     _, elapsed, total, stats, outputs = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-    bound = physical_bound(llm.model_config, [len(p) for p in prompts], max_tokens, tp=args.tp)
+    device = jax.devices()[0].device_kind
+    # NOTE: the ceilings are an H200's; a workload's cached prefixes are outside the model
+    bound = None
+    if "H200" in device and requests is None:
+        lengths, dtype_bytes = [len(p) for p in prompts], llm.model_config.jnp_dtype.itemsize
+        bound = physical_bound(
+            llm.model_config, lengths, max_tokens, args.tp, dtype_bytes=dtype_bytes
+        )
     record = {
         "model": model,
         "fixed_lengths": args.fixed_lengths,
@@ -365,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tok_s": stats.get("decode_tok_s"),
         "prefill_steps": stats.get("prefill_steps"),
         "decode_steps": stats.get("decode_steps"),
-        "decode_ms_per_step": stats.get("decode_ms_per_step"),
+        "decode_ms_per_step": stats.get("decode_ms_per_step"),  # NOTE: per plan
+        "decode_forward_passes": stats.get("decode_forward_passes"),
+        "decode_ms_per_forward_pass": stats.get("decode_ms_per_forward_pass"),
         "decode_dispatch_ms_per_step": stats.get("decode_dispatch_ms_per_step"),
         "decode_wait_ms_per_step": stats.get("decode_wait_ms_per_step"),
         "decode_masks_ms_per_step": stats.get("decode_masks_ms_per_step"),
@@ -379,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         "startup_phases_s": llm.startup_seconds,
         "num_executables": llm.num_executables,
         "compilations_during_run": len(compilations),
+        # built or loaded from jaxllm's store of executables (which JAX does not count)
+        "executables_built_during_run": llm.engine.runner.num_compiled - built_before,
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_kernels": dataclasses.asdict(llm.kernels),
-        "device": jax.devices()[0].device_kind,
+        "device": device,
         "jax_version": jax.__version__,
-        "bound_tok_s": bound["bound_tok_per_s"] if on_accelerator else None,
-        "bound_ratio": (total / elapsed) / bound["bound_tok_per_s"] if on_accelerator else None,
+        "bound_tok_s": bound and bound["bound_tok_per_s"],
+        "bound_ratio": bound and (total / elapsed) / bound["bound_tok_per_s"],
     }
     if requests is not None:
         record |= workload_record(

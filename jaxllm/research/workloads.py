@@ -326,32 +326,36 @@ def save_trace(path: str | Path, requests: Iterable[Request]) -> None:
 WORKLOADS = ("shared-prefix", "multi-turn", "prefix-repetition", "hot-prefix-scans", "trace")
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """Adds `--workload NAME` and the flags of every workload (defaults: the generators')."""
+def add_workload_arguments(
+    parser: argparse.ArgumentParser, *, required: bool = True
+) -> list[tuple[str, str]]:
+    """Adds `--workload NAME` and the flags of every workload (defaults: the generators');
+    returns those flags, (flag, dest) each."""
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", choices=WORKLOADS, required=required, default=None)
-    group.add_argument("--groups", type=int, default=64, help="shared-prefix")
-    group.add_argument("--prompts-per-group", type=int, default=16, help="shared-prefix")
-    group.add_argument("--question-len", type=int, default=128, help="shared-prefix")
-    group.add_argument("--order", default="grouped", choices=["grouped", "interleaved", "shuffled"])
-    group.add_argument(
-        "--prefix-len", type=int, default=None, help="default 2048 (prefix-rep.: 1024)"
-    )
-    group.add_argument("--conversations", type=int, default=64, help="multi-turn")
-    group.add_argument("--turns", type=int, default=8, help="multi-turn")
-    group.add_argument("--system-len", type=int, default=512, help="multi-turn")
-    group.add_argument("--user-len", type=int, default=64, help="multi-turn")
-    group.add_argument("--num-requests", type=int, default=1024, help="prefix-repetition")
-    group.add_argument("--num-prefixes", type=int, default=16, help="prefix-repetition")
-    group.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition")
-    group.add_argument("--zipf", type=float, default=0.0, help="prefix-repetition skew")
-    group.add_argument("--rounds", type=int, default=8, help="hot-prefix-scans")
-    group.add_argument("--trace", default=None, help="trace: a JSONL file")
-    group.add_argument("--trace-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
-    group.add_argument("--output-len", type=int, default=None, help="default 256 (others: 128)")
-    group.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals")
-    group.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    group.add_argument("--seed", type=int, default=0)
+    actions = []
+    add = lambda *flags, **options: actions.append(group.add_argument(*flags, **options))
+    add("--groups", type=int, default=64, help="shared-prefix")
+    add("--prompts-per-group", type=int, default=16, help="shared-prefix")
+    add("--question-len", type=int, default=128, help="shared-prefix")
+    add("--order", default="grouped", choices=["grouped", "interleaved", "shuffled"])
+    add("--prefix-len", type=int, default=None, help="default 2048 (prefix-rep. 1024, scans 16)")
+    add("--conversations", type=int, default=64, help="multi-turn")
+    add("--turns", type=int, default=8, help="multi-turn")
+    add("--system-len", type=int, default=512, help="multi-turn")
+    add("--user-len", type=int, default=64, help="multi-turn")
+    add("--num-requests", type=int, default=1024, help="prefix-repetition")
+    add("--num-prefixes", type=int, default=16, help="prefix-repetition")
+    add("--suffix-len", type=int, default=128, help="prefix-repetition")
+    add("--zipf", type=float, default=0.0, help="prefix-repetition skew")
+    add("--rounds", type=int, default=8, help="hot-prefix-scans")
+    add("--trace", default=None, help="trace: a JSONL file")
+    add("--trace-block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    add("--output-len", type=int, default=None, help="default 256 (128; scans 1)")
+    add("--request-rate", type=float, default=None, help="Poisson arrivals")
+    add("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    add("--seed", type=int, default=0)
+    return [(action.option_strings[0], action.dest) for action in actions]
 
 
 def workload_from_arguments(args: argparse.Namespace) -> list[Request]:

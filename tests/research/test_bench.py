@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxllm.research.bench import main
@@ -26,6 +27,9 @@ def test_bench_record_on_the_cpu(tmp_path, capsys):
     assert f"Total: {record['output_tokens']}tok" in capsys.readouterr().out
     assert 200 <= record["output_tokens"] <= 220 and record["num_seqs"] == 2
     assert record["decode_steps"] >= 99
+    assert record["decode_forward_passes"] == record["decode_steps"]  # one step a plan here
+    # compiled as steps first need them, during the run: counted
+    assert record["executables_built_during_run"] >= 1 and record["bound_ratio"] is None
     # The parts of a decode step's wall time are within it.
     parts = record["decode_dispatch_ms_per_step"] + record["decode_wait_ms_per_step"]
     assert 0 < parts <= record["decode_ms_per_step"]
@@ -77,6 +81,16 @@ def test_bench_fits_the_models_positions(tmp_path, capsys):
     assert "max_model_len=600 is more than" in capsys.readouterr().err
 
 
+def test_bench_refuses_a_trace_with_arrival_times(tmp_path, capsys):
+    from jaxllm.research.workloads import Request, save_trace
+
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [Request(np.arange(8), 4, arrival_time=0.0), Request(np.arange(9), 4, 30.0)])
+    with pytest.raises(SystemExit):
+        main(["--workload", "trace", "--trace", str(trace)])
+    assert "arrival times; bench.py runs every request at once" in capsys.readouterr().err
+
+
 def test_bench_repeat_needs_fixed_lengths(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--repeat", "2"])
@@ -102,6 +116,10 @@ def test_bench_repeat_needs_fixed_lengths(capsys):
         (["--workload", "prefix-repetition", "--max-input-len", "200"], "do not apply"),
         (["--workload", "trace", "--trace", "no/such/trace.jsonl"], "no/such/trace"),
         (["--model", "no/such/dir"], "does not exist"),
+        (["--seed", "5"], "--seed apply to a --workload only"),
+        (["--groups", "3", "--output-len", "7"], "--groups, --output-len apply to a --workload"),
+        (["--fixed-lengths", "8", "4", "--max-output-len", "300"], "do not apply to --fixed"),
+        (["--fixed-lengths", "8", "4", "--repeat", "2"], "--repeat takes an odd count"),
     ],
 )
 def test_bench_refuses_flags_it_would_ignore_or_trip_on(argv, message, capsys):
