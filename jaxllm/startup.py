@@ -33,7 +33,6 @@ from jaxllm.model.checkpoint import (
     check_checkpoint,
     check_fits,
     check_params_fit,
-    load_config,
     load_params,
 )
 from jaxllm.model.config import Qwen3Config, param_bytes, read_json
@@ -230,11 +229,10 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     phase = functools.partial(timed_phase, seconds)
     path = resolve_model(model)
     dtype = config.dtype or platform.dtype
-    model_config = load_config(path, dtype)
+    model_config = check_checkpoint(path, dtype)  # its tensors too: before the weights load
     config = resolve_defaults(config, model_config, platform)
     mesh = make_mesh(config.tensor_parallel_size)
     check_params_fit(model_config, mesh)  # and that the mesh divides the model
-    check_checkpoint(path, dtype)  # its tensors, before the weights load beside the compile
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile

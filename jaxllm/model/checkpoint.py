@@ -313,21 +313,23 @@ def load_params(
     return load_hf_checkpoint(path, dtype, mesh=mesh)
 
 
-def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> None:
-    """What `load_params` checks before it reads any weight, without reading one: for a start-up
-    to refuse a broken checkpoint before it compiles anything.
+def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Config:
+    """The config `load_params` returns (`load_config`), once what it checks before it reads any
+    weight holds, without reading one: for a start-up to refuse a broken checkpoint before it
+    compiles anything.
 
     Raises:
         ValueError, CheckpointError: as `load_params`.
     """
-    load_config(path_or_preset, dtype)
+    config = load_config(path_or_preset, dtype)
     if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
-        return
+        return config
     path = Path(path_or_preset)
     if (path / CONFIG_FILE).exists():
         check_orbax_checkpoint(path)
     else:
         check_hf_checkpoint(path, dtype)
+    return config
 
 
 def load_config(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Config:
