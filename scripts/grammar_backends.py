@@ -2,16 +2,20 @@
 on the work a step of the benchmark gives them: the tokenizer set up once, the bench's JSON
 schema compiled, then each step a mask for every constrained row (filled in parallel) and the
 sampled token fed to each row's matcher. Tokens are drawn uniformly from each row's mask, as
-random weights would. One JSON record; a library that is not installed is reported as such.
+random weights would. The schema allows no free whitespace, as the bench's; `--no-max-length`
+drops its strings' `maxLength`. One JSON record; a library that is not installed is reported as
+such.
 With `--threads`, llguidance also runs on that many threads, with as many compiled copies of the
 schema (`jaxllm.structured.MASK_THREADS`).
 
-    python scripts/grammar_backends.py [--rows 256] [--steps 200] [--threads 1 4 ...] [--json F]
+    python scripts/grammar_backends.py [--rows 256] [--steps 200] [--threads 1 4 ...]
+        [--no-max-length] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -32,7 +36,16 @@ def allowed_tokens(bitmask: np.ndarray) -> list[np.ndarray]:
     return [np.flatnonzero(row) for row in bits]
 
 
-def run_llguidance(tokenizer, rows: int, steps: int, rng, threads: int | None = None) -> dict:
+def schema_text(max_length: bool = True) -> str:
+    """BENCH_SCHEMA as JSON text, with or without its strings' maxLength."""
+    schema = copy.deepcopy(BENCH_SCHEMA)
+    if not max_length:
+        del schema["items"]["properties"]["name"]["maxLength"]
+        del schema["items"]["properties"]["tags"]["items"]["maxLength"]
+    return json.dumps(schema)
+
+
+def run_llguidance(tokenizer, rows, steps, rng, schema: str, threads: int | None = None) -> dict:
     """With `threads`, rows copy `threads` compiled matchers in turn, as the engine's do."""
     import llguidance
     import llguidance.hf
@@ -42,7 +55,7 @@ def run_llguidance(tokenizer, rows: int, steps: int, rng, threads: int | None = 
     lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB_SIZE, eos_token=EOS)
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False})
     compiled = [
         llguidance.LLMatcher(lltokenizer, grammar, log_level=0) for _ in range(threads or 1)
     ]
@@ -64,7 +77,7 @@ def run_llguidance(tokenizer, rows: int, steps: int, rng, threads: int | None = 
     return summary(setup_s, compile_s, fill, accept, errors)
 
 
-def run_xgrammar(tokenizer, rows: int, steps: int, rng) -> dict:
+def run_xgrammar(tokenizer, rows: int, steps: int, rng, schema: str) -> dict:
     import xgrammar
 
     start = time.perf_counter()
@@ -74,7 +87,7 @@ def run_xgrammar(tokenizer, rows: int, steps: int, rng) -> dict:
     compiler = xgrammar.GrammarCompiler(info)
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(BENCH_SCHEMA))
+    compiled = compiler.compile_json_schema(schema, any_whitespace=False)
     compile_s = time.perf_counter() - start
     matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(rows)]
     batch = xgrammar.BatchGrammarMatcher()
@@ -112,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, nargs="*", default=[],
         help="llguidance's thread counts to time besides its default, as many compiled copies",
     )  # fmt: skip
+    parser.add_argument("--no-max-length", action="store_true", help="strings of any length")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    schema = schema_text(max_length=not args.no_max_length)
     tokenizer = qwen3_tokenizer()
     record = {"rows": args.rows, "steps": args.steps, "cpus": len(os.sched_getaffinity(0))}
+    record["max_length"] = not args.no_max_length
     runs = [("llguidance", run_llguidance), ("xgrammar", run_xgrammar)]
     runs += [
         (f"llguidance-{n}-threads", functools.partial(run_llguidance, threads=n))
@@ -123,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, run in runs:
         try:
-            record[name] = run(tokenizer, args.rows, args.steps, np.random.default_rng(0))
+            record[name] = run(tokenizer, args.rows, args.steps, np.random.default_rng(0), schema)
         except ImportError as error:
             record[name] = f"not installed: {error}"
     print(json.dumps(record, indent=1))
