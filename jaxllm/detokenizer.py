@@ -57,7 +57,8 @@ class IncrementalDetokenizer:
         self._window.extend(known_ids(self._tokenizer, token_ids))
         window_text = self._decode(self._window)
         # NOTE: an incomplete character is one trailing U+FFFD; all text before it is settled.
-        incomplete = window_text.endswith("\ufffd") and self._incomplete_bytes() > 0
+        pending = self._incomplete_bytes() if window_text.endswith("\ufffd") else 0
+        incomplete = pending > 0
         end = len(window_text) - incomplete
         delta = window_text[self._num_emitted : end]
         self.text += delta
@@ -68,7 +69,7 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._window)
             self._num_emitted = len(self._decode(self._window))
         elif len(self._window) - self._read_offset > PENDING_TOKENS:
-            self._cut_before_incomplete(window_text)
+            self._cut_before_incomplete(window_text, pending)
         return delta
 
     def _bytes(self) -> list[bytes]:
@@ -82,13 +83,14 @@ class IncrementalDetokenizer:
         match = _INCOMPLETE_CHARACTER.search(b"".join(self._bytes())[-3:])
         return 0 if match is None else len(match.group())
 
-    def _cut_before_incomplete(self, window_text: str) -> None:
+    def _cut_before_incomplete(self, window_text: str, pending: int) -> None:
         """Drops the window's tokens before the last token boundary at or before the incomplete
         character where the window's text splits in two (their text is emitted), so a run of
-        tokens that keeps ending inside a character is decoded a few tokens at a time."""
+        tokens that keeps ending inside a character is decoded a few tokens at a time; `pending`:
+        the incomplete character's bytes."""
         pieces = self._bytes()
         boundary = sum(map(len, pieces))
-        start = boundary - self._incomplete_bytes()  # the incomplete character's first byte
+        start = boundary - pending  # the incomplete character's first byte
         for index in range(len(pieces) - 1, 0, -1):
             boundary -= len(pieces[index])
             if boundary > start:

@@ -78,7 +78,8 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
 def deleted_leaf(params: Params) -> str | None:
     """The name of the first deleted array of `params` (one donated to a computation), or None."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return next((jax.tree_util.keystr(path) for path, leaf in leaves if leaf.is_deleted()), None)
+    deleted = (path for path, leaf in leaves if isinstance(leaf, jax.Array) and leaf.is_deleted())
+    return next(map(jax.tree_util.keystr, deleted), None)
 
 
 def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
@@ -102,9 +103,9 @@ def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
             f"params have another tree structure than the model's ({detail or 'other nodes'}); "
             "pass a tree like LLM.params"
         )
+    if (deleted := deleted_leaf(new)) is not None:
+        raise ValueError(f"params{deleted} was deleted (donated?)")
     for (path, leaf), (_, like) in zip(new_leaves, current_leaves, strict=True):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(f"params{jax.tree_util.keystr(path)} was deleted (donated?)")
         shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
         if shape != like.shape or dtype != like.dtype:  # NOTE: all checked before any donation
             raise ValueError(

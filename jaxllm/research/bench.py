@@ -268,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # NOTE: a workload's identical prompts sample identical outputs (seeded by their tokens), as
     # the simulator, whose predictions the record holds, assumes.
-    seeds = [None] * len(prompts)
+    seeds = metadatas = [None] * len(prompts)
     if requests:
         seeds = [xxhash.xxh3_64_intdigest(np.asarray(p, np.int32).tobytes()) for p in prompts]
+        metadatas = [request.metadata for request in requests]
     schema = SCHEMAS[args.json_schema] if args.json_schema else None
     try:  # what the flags alone decide is refused before the engine starts
         # NOTE: no free whitespace, which random weights would fill most tokens with
@@ -286,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 logprobs=args.logprobs,
                 repetition_penalty=args.repetition_penalty,
                 structured_outputs=structured,
-                extra_args=request.metadata if requests else None,
+                extra_args=metadata,
             )
-            for n, seed, request in zip(max_tokens, seeds, requests or seeds, strict=True)
+            for n, seed, metadata in zip(max_tokens, seeds, metadatas, strict=True)
         ]
         llm = LLM(
             model,
