@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
 from collections import OrderedDict
 
@@ -37,6 +38,8 @@ import numpy as np
 
 from jaxllm.matchers import MASK_THREADS, LLGuidance, XGrammar, import_library, llguidance_grammar
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # The distinct specs whose compiled grammars are kept, the least recently used dropped first:
 # llguidance's hold MASK_THREADS matchers (a schema of 20 keys ~0.25 MiB each, on a CPU).
@@ -320,10 +323,13 @@ class Grammars:
                 self._xgrammar = XGrammar(self._tokenizer, self.vocab_size, self._eos)
             except ImportError:
                 self._xgrammar = False
+            except (RuntimeError, ValueError) as error:  # a tokenizer it cannot read
+                logger.warning("JSON schemas go to llguidance: xgrammar failed: %s", error)
+                self._xgrammar = False
         if self._xgrammar and XGrammar.takes(params):
             try:
                 return self._xgrammar, self._xgrammar.compile(params)
-            except RuntimeError:  # a schema it cannot compile
+            except (RuntimeError, ValueError):  # a schema it cannot compile
                 pass
         return self._llguidance, self._llguidance.compile(grammar)
 

@@ -143,6 +143,19 @@ def test_a_schema_xgrammar_cannot_compile_goes_to_llguidance(text_llm, monkeypat
     assert libraries(text_llm, constraint) == {LLGuidance}
 
 
+def test_json_schemas_go_to_llguidance_when_xgrammar_cannot_read_the_tokenizer(
+    text_llm, monkeypatch, caplog
+):
+    def unreadable(*args):
+        raise RuntimeError("unreadable tokenizer")
+
+    monkeypatch.setattr(text_llm.engine.grammars, "_xgrammar", None)
+    monkeypatch.setattr(XGrammar, "__init__", unreadable)
+    constraint = StructuredOutputsParams(json={"type": "array", "maxItems": 3})
+    assert libraries(text_llm, constraint) == {LLGuidance}
+    assert "xgrammar failed: unreadable tokenizer" in caplog.text
+
+
 def test_an_xgrammar_matcher_given_a_token_it_does_not_allow_is_in_error(text_llm):
     grammars = text_llm.engine.grammars
     compiled = grammars.compile(StructuredOutputsParams(json={"type": "boolean"}))
