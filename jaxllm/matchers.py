@@ -143,7 +143,10 @@ class XGrammar:
         and LF, raw control characters among them (JSON escapes them); they are taken out."""
         compact = params.disable_any_whitespace
         grammar = self._xgrammar.Grammar.from_json_schema(
-            params.spec[1], any_whitespace=not compact, separators=(",", ":") if compact else None
+            params.spec[1],
+            any_whitespace=not compact,
+            separators=(",", ":") if compact else None,
+            strict_mode=False,  # JSON Schema's defaults: any further properties and items
         )
         ebnf = str(grammar).replace(r"[^\"\\\r\n]", r"[^\0-\x1f\"\\]")
         return self._compiler.compile_grammar(ebnf)

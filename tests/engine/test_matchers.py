@@ -10,6 +10,8 @@ from collections import OrderedDict
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.engine import assert_idle
 
 from jaxllm import SamplingParams, StructuredOutputsParams
@@ -105,6 +107,22 @@ def test_json_outputs_validate_and_stop_alike_under_either_library(text_llm, mon
     assert_idle(text_llm)
 
 
+def test_xgrammar_follows_json_schema_defaults_any_further_properties_and_items(text_llm):
+    """Unlisted properties and items are allowed, as JSON Schema says (xgrammar's strict mode
+    would allow none: `json_object` could only give `{}`)."""
+    constraint = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    assert libraries(text_llm, constraint) == {XGrammar}
+    objects = sample(text_llm, constraint, max_tokens=16)
+    assert any(c.text.startswith('{"') for c in objects)
+    schema = {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 2}
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert libraries(text_llm, constraint) == {XGrammar}
+    for completion in sample(text_llm, constraint, seeds=range(4)):
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+        assert completion.text.startswith(("[true,", "[false,"))
+
+
 def test_xgrammar_strings_of_bounded_length_hold_no_raw_control_characters(text_llm):
     grammars = text_llm.engine.grammars
     constraint = StructuredOutputsParams(json={"type": "string", "maxLength": 5})
@@ -172,3 +190,82 @@ def test_an_xgrammar_matcher_given_a_token_it_does_not_allow_is_in_error(text_ll
     assert mask[0, true // 32] >> (true % 32) & 1 and not mask[0, five // 32] >> (five % 32) & 1
     other.library.consume([other.matcher], [true])
     assert other.is_terminated and other.error is None  # nothing but eos can follow
+
+
+def bounded(kind: str, low: str, high: str, start, width) -> st.SearchStrategy:
+    """A schema of `kind` with or without each of two bounds (a range never empty)."""
+    return st.builds(
+        lambda first, span, keep: {
+            "type": kind,
+            **{key: value for key, value in ((low, first), (high, first + span)) if key in keep},
+        },
+        start,
+        width,
+        st.sets(st.sampled_from([low, high])),
+    )
+
+
+VALUES = [1, 'b"c', None, 2.5, [1]]
+LEAVES = st.one_of(
+    bounded("integer", "minimum", "exclusiveMaximum", st.integers(-20, 20), st.integers(1, 30)),
+    bounded("number", "exclusiveMinimum", "maximum", st.integers(-5, 5), st.sampled_from([0.5, 3])),
+    bounded("string", "minLength", "maxLength", st.integers(0, 4), st.integers(0, 6)),
+    st.sampled_from([{"type": "boolean"}, {"type": ["null", "integer"]}, {"const": {"a": [1]}}]),
+    st.sets(st.integers(0, len(VALUES) - 1), min_size=1, max_size=3).map(
+        lambda picked: {"enum": [VALUES[index] for index in sorted(picked)]}
+    ),
+)
+
+
+def nested(children: st.SearchStrategy) -> st.SearchStrategy:
+    keys = st.sampled_from(["a", "b", "c"])
+    objects = st.builds(
+        lambda properties, required, further: {
+            "type": "object",
+            "properties": properties,
+            "required": sorted(set(required) & set(properties)),
+            "additionalProperties": further,
+        },
+        st.dictionaries(keys, children, max_size=3),
+        st.lists(keys, max_size=3),
+        st.one_of(st.booleans(), children),
+    )
+    arrays = st.builds(
+        lambda items, most: {"type": "array", "items": items, "maxItems": most},
+        children,
+        st.integers(0, 3),
+    )
+    return st.one_of(
+        objects,
+        arrays,
+        st.lists(children, min_size=2, max_size=2).map(lambda options: {"anyOf": options}),
+    )
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=st.recursive(LEAVES, nested, max_leaves=6), draws=st.randoms(use_true_random=False))
+def test_a_walk_through_xgrammars_masks_ends_in_json_of_the_schema(text_llm, schema, draws):
+    """Any schema of XGRAMMAR_KEYWORDS: tokens drawn at random from xgrammar's masks, eos
+    where it is allowed a third of the time, give JSON that validates."""
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert XGrammar.takes(params)
+    grammars = text_llm.engine.grammars
+    grammar = grammars.sequence_grammar(grammars.compile(params))
+    grammars.wait([grammar])
+    while not grammar.ready:
+        grammars.wait([grammar])
+    assert isinstance(grammar.library, XGrammar)
+    eos, tokens = grammars._eos, []
+    mask = np.zeros((1, -(-grammars.vocab_size // 32)), np.int32)
+    while not grammar.is_terminated and len(tokens) < 60:
+        grammar.library.fill([grammar.matcher], [0], mask)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        ending = [int(token) for token in allowed if token in eos]
+        others = [int(token) for token in allowed if token not in eos]
+        ends = ending and (not others or draws.random() < 1 / 3)
+        token = ending[0] if ends else draws.choice(others)
+        grammar.library.consume([grammar.matcher], [token])
+        tokens += [token] if token not in eos else []
+    assert grammar.error is None
+    if grammar.is_terminated:
+        jsonschema.validate(json.loads(text_llm.tokenizer.decode(tokens)), schema)
