@@ -30,6 +30,10 @@ EXTRA_HINT = "structured outputs need llguidance: pip install 'jaxllm[structured
 # thread and sequences copy the copies in turn: on an H200 host, 256 rows of one JSON schema
 # fill in 0.94 ms on 8 threads, 2.79 from one compiled matcher (docs/performance.md).
 MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# Fewer rows than this fill their masks on the calling thread: waking the pool costs more than
+# they do (one row of the bench's schema from xgrammar, p50: 4 us on the caller, 71 us through
+# the pool of 2 threads on a 2-core CPU).
+SERIAL_MASK_ROWS = 16
 # The JSON Schema keywords xgrammar enforces as the schema means them (it compiles others, such
 # as `pattern`, `format`, `not` or `uniqueItems`, without enforcing them): a schema of any other
 # goes to llguidance. Keywords whose values are schemas, by how they hold them.
@@ -105,7 +109,11 @@ class LLGuidance:
 
     def fill(self, matchers: list, rows: list[int], mask: np.ndarray) -> None:
         pairs = list(zip(matchers, rows, strict=True))
-        self._numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+        if len(pairs) < SERIAL_MASK_ROWS:
+            for matcher, row in pairs:
+                self._numpy.fill_next_token_bitmask(matcher, mask, row)
+        else:
+            self._numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
 
     def consume(self, matchers: list, tokens: list[int]) -> None:
         self._executor.consume_token_par(list(zip(matchers, tokens, strict=True)))
@@ -155,8 +163,12 @@ class XGrammar:
         return XGrammarMatcher(self._xgrammar.GrammarMatcher(compiled), self)
 
     def fill(self, matchers: list[XGrammarMatcher], rows: list[int], mask: np.ndarray) -> None:
-        own = [matcher.matcher for matcher in matchers]
-        self._batch.batch_fill_next_token_bitmask(own, mask, list(rows))
+        if len(matchers) < SERIAL_MASK_ROWS:
+            for matcher, row in zip(matchers, rows, strict=True):
+                matcher.matcher.fill_next_token_bitmask(mask, row)
+        else:
+            own = [matcher.matcher for matcher in matchers]
+            self._batch.batch_fill_next_token_bitmask(own, mask, list(rows))
 
     def consume(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> None:
         own = [matcher.matcher for matcher in matchers]

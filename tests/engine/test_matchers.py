@@ -269,3 +269,34 @@ def test_a_walk_through_xgrammars_masks_ends_in_json_of_the_schema(text_llm, sch
     assert grammar.error is None
     if grammar.is_terminated:
         jsonschema.validate(json.loads(text_llm.tokenizer.decode(tokens)), schema)
+
+
+BOUNDED_STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 4}}
+
+
+@pytest.mark.parametrize(
+    "constraint, prefixes",
+    [
+        (StructuredOutputsParams(json=BOUNDED_STRINGS), ['["ab', "[", ""]),
+        (StructuredOutputsParams(regex="[a-z]{1,3}(-[0-9]+)?"), ["ab-", "a", ""]),
+    ],
+)
+def test_masks_filled_on_the_caller_equal_the_pools(text_llm, monkeypatch, constraint, prefixes):
+    grammars = text_llm.engine.grammars
+    compiled = grammars.compile(constraint)
+    sequences = [grammars.sequence_grammar(compiled) for _ in prefixes]
+    while not all(grammar.ready for grammar in sequences):
+        grammars.wait(sequences)
+    library = sequences[0].library
+    for grammar, prefix in zip(sequences, prefixes, strict=True):
+        for token in text_llm.tokenizer.encode(prefix):
+            library.consume([grammar.matcher], [token])
+        assert not grammar.is_terminated
+    masks = []
+    for serial_rows in (0, 100):
+        monkeypatch.setattr("jaxllm.matchers.SERIAL_MASK_ROWS", serial_rows)
+        mask = np.zeros((4, -(-grammars.vocab_size // 32)), np.int32)
+        library.fill([grammar.matcher for grammar in sequences], [3, 0, 2], mask)
+        masks.append(mask)
+    assert (masks[0] == masks[1]).all() and not masks[0][1].any()
+    assert len({row.tobytes() for row in masks[0][[0, 2, 3]]}) == 3  # three states
