@@ -183,8 +183,10 @@ class Engine:
         self._in_flight = self._next_plan = None
         self._requests.clear()
         self._by_seq.clear()
-        self.scheduler.reset()
-        self.runner.reset()
+        try:
+            self.scheduler.reset()  # its pool empties even where an eviction policy raises
+        finally:
+            self.runner.reset()
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache: True, or False while a sequence is live (nothing changed)."""
@@ -285,8 +287,11 @@ class Engine:
             if checked is not None:
                 outputs += self._apply(checked)
             outputs += self._apply_in_flight(seconds)
-        except BaseException:
-            self.reset()
+        except BaseException as error:
+            try:
+                self.reset()
+            except Exception as reset_error:  # an eviction policy's: the step's error is raised
+                error.add_note(f"resetting the engine raised too: {reset_error!r}")
             raise
         if plan is not None:
             self._in_flight = (plan, result)

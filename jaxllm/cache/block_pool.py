@@ -282,19 +282,19 @@ class BlockPool:
 
     def reset(self) -> None:
         """Makes every block empty and forgets every cached prefix, whatever the ref counts said
-        (`Scheduler.reset`: no sequence holds a block, or none can be trusted to). The policy
-        hears of each cached block's eviction, a held one freed first. Statistics are kept."""
-        for block_id in range(self.num_blocks):
-            if self._hashes[block_id] is None:
-                continue
-            if block_id not in self.policy:
-                self.policy.on_free(block_id)
-            self.policy.on_evict(block_id)
-        self._ref_counts = [0] * self.num_blocks
-        self._hashes = [None] * self.num_blocks
-        self._tokens = [None] * self.num_blocks
-        self._hash_to_block.clear()
-        self._empty = list(range(self.num_blocks - 1, -1, -1))
+        (`Scheduler.reset`: no sequence holds a block, or none can be trusted to), even where
+        the policy, told of each cached block's eviction (a held one freed first), raises."""
+        try:
+            for block_id in (b for b in range(self.num_blocks) if self._hashes[b] is not None):
+                if block_id not in self.policy:
+                    self.policy.on_free(block_id)
+                self.policy.on_evict(block_id)
+        finally:
+            self._ref_counts = [0] * self.num_blocks
+            self._hashes = [None] * self.num_blocks
+            self._tokens = [None] * self.num_blocks
+            self._hash_to_block.clear()
+            self._empty = list(range(self.num_blocks - 1, -1, -1))
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admission: `num_tokens` looked up, `num_hit_tokens` served from the cache."""

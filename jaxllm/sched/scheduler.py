@@ -119,9 +119,9 @@ class Scheduler:
             self.slots.release(seq)  # NOTE: every slot is free again below
         for queue in (self.waiting, self.running, self.sampling_last, self._live):
             queue.clear()
-        self.block_pool.reset()
         self.slots.reset()
         self.num_constrained = 0
+        self.block_pool.reset()  # last: an eviction policy may raise
 
     def has_unfinished(self) -> bool:
         return bool(self._live)

@@ -218,6 +218,30 @@ def test_a_failed_step_resets_the_engine(make_llm, greedy_prompts, greedy_refere
     assert_serves_the_reference(llm, prompts, reference)
 
 
+def test_an_eviction_policy_that_raises_leaves_a_fresh_engine(
+    checkpoint, greedy_prompts, greedy_reference
+):
+    """A user's policy that raises in the step and again as the engine resets: the step's error
+    is raised, the pool and the device are reset all the same, and nothing cached of the failed
+    step (its KV never written) serves a later request."""
+    from jaxllm.cache.eviction import PriorityPolicy
+
+    class TierPolicy(PriorityPolicy):
+        def priority(self, block_id):
+            return self.info(block_id).metadata["tier"]  # KeyError without extra_args
+
+    llm = LLM(str(checkpoint.path), **(BASE_SETTINGS | {"eviction_policy": TierPolicy()}))
+    prompts, reference = greedy_prompts[3:5], greedy_reference[3:5]  # 16, 17 tokens: cached
+    with pytest.raises(KeyError, match="tier") as raised:
+        llm.generate(prompts, greedy_params(1), use_tqdm=False)
+    assert "resetting the engine raised too" in "".join(raised.value.__notes__)
+    assert_idle(llm)
+    tiered = greedy_params(extra_args={"tier": 1})
+    outputs = llm.generate(prompts, tiered, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == reference
+    assert_idle(llm)
+
+
 def test_two_threads_share_one_llm(make_llm, greedy_prompts, greedy_reference):
     llm = make_llm(max_num_seqs=4)
     results: dict[str, object] = {}
