@@ -323,13 +323,13 @@ class Grammars:
                 self._xgrammar = XGrammar(self._tokenizer, self.vocab_size, self._eos)
             except ImportError:
                 self._xgrammar = False
-            except (RuntimeError, ValueError) as error:  # a tokenizer it cannot read
+            except Exception as error:  # NOTE: any, of a library llguidance stands in for
                 logger.warning("JSON schemas go to llguidance: xgrammar failed: %s", error)
                 self._xgrammar = False
         if self._xgrammar and XGrammar.takes(params):
             try:
                 return self._xgrammar, self._xgrammar.compile(params)
-            except (RuntimeError, ValueError):  # a schema it cannot compile
+            except Exception:  # NOTE: a schema it cannot compile (RuntimeError), or any error
                 pass
         return self._llguidance, self._llguidance.compile(grammar)
 

@@ -50,6 +50,16 @@ SCHEMA = {
         ({"type": "array", "items": {"type": "integer", "multipleOf": 3}}, False),
         ({"properties": {"a": {"oneOf": [{"type": "integer"}]}}}, False),
         ({"$defs": {"a": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/a"}, False),
+        # xgrammar compiles these but lets through what they forbid
+        ({"type": "object", "properties": {"a": {}}, "required": ["a", "x"]}, False),
+        ({"anyOf": [{"type": "integer"}, {"type": "string"}], "type": "integer"}, False),
+        ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, False),
+        ({"enum": ["a", "abc"], "minLength": 2}, False),
+        ({"minimum": 5}, False),
+        ({"properties": {"a": {"type": "integer"}}}, False),
+        ({"$defs": {"a": {"$id": "urn:a"}}, "type": "array", "items": {"$ref": "urn:a"}}, False),
+        ({"anyOf": [{"const": "x"}, {"enum": [1, 2], "title": "t"}, {"$ref": "#"}]}, True),
+        ({"type": ["integer", "null"], "description": "d"}, True),
     ],
 )
 def test_xgrammar_takes_schemas_of_the_keywords_it_enforces(schema, takes):
@@ -136,6 +146,21 @@ def test_xgrammar_strings_of_bounded_length_hold_no_raw_control_characters(text_
     texts = [text_llm.tokenizer.decode([token]) for token in np.flatnonzero(bits)]
     assert "ab" in texts and '"' in texts
     assert not [text for text in texts if any(ord(char) < 0x20 for char in text)]
+    added = text_llm.tokenizer.added_tokens_decoder  # <|im_start|>, <think>: never text here
+    assert not set(added) & set(np.flatnonzero(bits).tolist())
+
+
+def test_xgrammar_keeps_no_cache_of_its_own(text_llm):
+    """`Grammars` keeps the compiled grammars used last (COMPILED_GRAMMARS); xgrammar's own
+    cache would keep every one."""
+    grammars = text_llm.engine.grammars
+    for length in range(3):
+        constraint = StructuredOutputsParams(json={"type": "string", "maxLength": 10 + length})
+        grammar = grammars.sequence_grammar(grammars.compile(constraint))
+        while not grammar.ready:
+            grammars.wait([grammar])
+        assert isinstance(grammar.library, XGrammar)
+    assert grammars._xgrammar._compiler.get_cache_size_bytes() == 0
 
 
 def test_a_schema_xgrammar_would_not_enforce_is_enforced_by_llguidance(text_llm):
