@@ -156,7 +156,7 @@ class XGrammar:
 
     @staticmethod
     def takes(params) -> bool:
-        """Whether `params` is a JSON schema of XGRAMMAR_KEYWORDS only."""
+        """Whether `params` is a JSON schema xgrammar enforces (ANNOTATIONS says which)."""
         kind, text = params.spec
         return kind == "json" and _enforced(json.loads(text))
 
@@ -197,8 +197,8 @@ class XGrammar:
 
 class XGrammarMatcher:
     """An xgrammar matcher that answers as llguidance's: stopped once nothing but eos can follow
-    (as llguidance, so that a sequence ends with the same tokens under either library), in error
-    after a token it did not allow (xgrammar leaves its state as it was)."""
+    (a sequence ends there under either library, without sampling eos), in error after a token
+    it did not allow (xgrammar leaves its state as it was)."""
 
     __slots__ = ("_error", "_library", "_stopped", "matcher")
 

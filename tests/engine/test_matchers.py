@@ -270,7 +270,7 @@ def nested(children: st.SearchStrategy) -> st.SearchStrategy:
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=st.recursive(LEAVES, nested, max_leaves=6), draws=st.randoms(use_true_random=False))
 def test_a_walk_through_xgrammars_masks_ends_in_json_of_the_schema(text_llm, schema, draws):
-    """Any schema of XGRAMMAR_KEYWORDS: tokens drawn at random from xgrammar's masks, eos
+    """Any schema `XGrammar.takes`: tokens drawn at random from xgrammar's masks, eos
     where it is allowed a third of the time, give JSON that validates."""
     params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     assert XGrammar.takes(params)
