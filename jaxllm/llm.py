@@ -216,7 +216,7 @@ class LLM:
         vLLM's arguments, and Qwen3's `enable_thinking`).
 
         Raises:
-            ValueError: what `chat_prompts` or `generate` refuses (nothing runs).
+            ValueError, TypeError: what `chat_prompts` or `generate` refuses (nothing runs).
         """
         prompts = chat_prompts(
             self.tokenizer,
@@ -247,10 +247,8 @@ class LLM:
             ValueError: as `generate` does, at once (before anything runs).
         """
         with self._lock:
-            requests = self._requests(prompt, sampling_params)
-        if len(requests) != 1:
-            raise ValueError(f"stream() takes one prompt, got {len(requests)}")
-        return self._stream(requests[0])
+            (request,) = self._requests(prompt, sampling_params, caller="stream")
+        return self._stream(request)
 
     def _stream(self, request: Request):
         request_id, seqs = request.request_id, request.seqs
@@ -327,11 +325,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        caller: str | None = None,
     ) -> list[Request]:
         """The engine's requests of a call, all validated before any is queued (prompt forms:
-        `jaxllm.prompts`)."""
+        `jaxllm.prompts`); a `caller` ("stream") takes one prompt."""
         self.engine.check_awake()
         parsed = parse_prompts(prompts)
+        if caller is not None and len(parsed) != 1:
+            raise ValueError(f"{caller}() takes one prompt, got {len(parsed)}")
         default = self.get_default_sampling_params()
         params = one_per_prompt(
             default if sampling_params is None else sampling_params, len(parsed)

@@ -160,10 +160,20 @@ def chat_prompts(
         ValueError: a malformed conversation, both add_generation_prompt and
             continue_final_message, or a template that fails on a conversation (its
             `raise_exception`, a syntax error), naming the conversation.
+        TypeError: chat_template_kwargs not a dict of str keys (other than the template's
+            own: conversation, messages, tokenize), or a flag not a bool.
     """
-    options |= chat_template_kwargs or {}  # NOTE: as in vLLM, these win
+    kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise TypeError(f"chat_template_kwargs must be a dict of str keys, got {shown(kwargs)}")
+    if taken := sorted(set(kwargs) & {"conversation", "messages", "tokenize"}):
+        raise TypeError(f"chat_template_kwargs may not set {', '.join(taken)}")
+    options |= kwargs  # NOTE: as in vLLM, these win
     if enable_thinking is not None:
         options["enable_thinking"] = enable_thinking
+    for flag in ("add_generation_prompt", "continue_final_message", "enable_thinking"):
+        if options.get(flag) is not None and not isinstance(options[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {shown(options[flag])}")
     if options.get("add_generation_prompt") and options.get("continue_final_message"):
         raise ValueError("continue_final_message=True needs add_generation_prompt=False")
     options["tokenize"] = False

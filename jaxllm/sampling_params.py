@@ -67,6 +67,8 @@ class StructuredOutputsParams:
                 json.dumps(self.json)
         except (TypeError, ValueError) as error:  # a dict holding a set, a circular one
             raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ValueError("StructuredOutputsParams.json is nested too deeply") from None
 
     @property
     def spec(self) -> tuple[str, str]:
@@ -221,7 +223,14 @@ class SamplingParams:
 
 
 def _stop_string(value: object) -> str | None:
-    return str(value) if isinstance(value, str) and value else None
+    """A non-empty str of valid Unicode (a lone surrogate is no text a model can write)."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return str(value)
 
 
 def _token_id(value: object) -> int | None:
@@ -265,7 +274,7 @@ _STRUCTURED_CHECKS: dict[str, Check] = {
 _STRINGS: Check = (
     lambda words: as_tuple(words, _stop_string),
     None,
-    "None, a non-empty string or a list of non-empty strings",
+    "None, a non-empty string or a list of non-empty strings, of valid Unicode",
 )
 # What each field allows (see `check_fields`); min_tokens, bounded by max_tokens, is checked after.
 _CHECKS: dict[str, Check] = {

@@ -2,6 +2,7 @@
 scalars included) construct and normalize to Python values."""
 
 import dataclasses
+import functools
 import logging
 import math
 
@@ -56,6 +57,8 @@ INVALID = [
     ("stop", 5),
     ("stop", b"ok"),
     ("stop", {"ok": 1}),
+    ("stop", ["ok", "\ud800"]),  # a lone surrogate: no text a model writes
+    ("bad_words", ["\udcff"]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [1, 2.0]),
     ("stop_token_ids", ["7"]),
@@ -258,3 +261,15 @@ def test_engine_settings_take_numpy_scalars_and_policies():
 def test_compile_at_startup_defaults_to_the_platform():
     assert EngineConfig().compile_at_startup is None
     assert EngineConfig(compile_at_startup=False).compile_at_startup is False
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        functools.reduce(lambda inner, _: {"items": inner}, range(5_000), {}),
+    ],
+)
+def test_a_schema_nested_past_pythons_recursion_limit_is_a_value_error(schema):
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json is nested too deeply"):
+        StructuredOutputsParams(json=schema)

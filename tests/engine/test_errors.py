@@ -96,6 +96,25 @@ def test_bad_chat_call_runs_nothing(text_llm):
 
 
 @pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"enable_thinking": 0}, "enable_thinking must be True or False, got 0"),
+        ({"chat_template_kwargs": {"enable_thinking": "false"}}, "enable_thinking must be"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt must be True or False"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be a dict"),
+        ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+    ],
+)
+def test_chat_flags_and_template_arguments_are_checked(text_llm, settings, message):
+    """A flag's truthy string ("false") would have left thinking on: the template tests
+    `is false`."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(TypeError, match=message):
+        text_llm.chat(conversation, use_tqdm=False, **settings)
+    assert_idle(text_llm)
+
+
+@pytest.mark.parametrize(
     "template",
     [
         "{{ raise_exception('roles must alternate') }}",  # how a template refuses a conversation
