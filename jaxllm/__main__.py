@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -12,11 +13,15 @@ MODEL_DEFAULT = "default: the model's generation_config.json, else SamplingParam
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line's exit status: 2 for a usage error, 130 after Ctrl-C (no traceback)."""
+    """The command line's exit status: 2 for a usage error, 130 after Ctrl-C, 1 when the
+    reader of its output went away (`| head`), each without a traceback."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # NOTE: Python's recipe: no second error as stdout is flushed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _main(argv: list[str] | None) -> int:

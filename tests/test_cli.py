@@ -178,6 +178,18 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
     assert main(["generate", "A", *SMALL]) == 130
 
 
+def test_a_reader_gone_before_the_output_exits_1_without_a_traceback(monkeypatch, tmp_path):
+    """`python -m jaxllm generate ... | head -1`: stdout's reader closed the pipe."""
+
+    def closed_pipe(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("jaxllm.__main__.print", closed_pipe, raising=False)
+    with open(tmp_path / "stdout", "w") as stdout:
+        monkeypatch.setattr("sys.stdout", stdout)
+        assert main(["generate", "A", *SMALL, "--max-tokens", "2"]) == 1
+
+
 def test_an_engine_too_big_for_the_host_exits_with_usage(monkeypatch, capsys):
     """Step buffers sized by --max-num-seqs or --max-num-batched-tokens past the host's
     memory (numpy's MemoryError): a usage error, not a traceback."""

@@ -209,7 +209,7 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
 
     monkeypatch.setattr(jaxllm.notebook, "LLM", SlowLLM)
     monkeypatch.setattr(jaxllm.notebook, "check_model", lambda model: None)
-    monkeypatch.setattr(jaxllm.notebook, "check_checkpoint", lambda model, dtype: None)
+    monkeypatch.setattr(jaxllm.notebook, "_check_settings", lambda path, engine_kwargs: None)
     monkeypatch.setattr(jaxllm.notebook, "_shared", [])
 
     def run(models: list[str]) -> list[str]:
@@ -245,6 +245,15 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm, tmp_path):
         for bad in ({"max_num_seq": 4}, {"max_num_seqs": 0}):
             with pytest.raises((TypeError, ValueError), match="max_num_seq"):
                 jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path), **bad)
+            assert jaxllm.notebook._shared[0][1] is engine
+        # ... and those refused against the model or the devices, the default model's too.
+        for model, bad, error in (
+            (str(checkpoint.path), {"max_model_len": 10**6}, "max_position_embeddings"),
+            (None, {"max_model_len": 10**6}, "max_position_embeddings"),
+            (str(checkpoint.path), {"tensor_parallel_size": 8}, "tensor_parallel_size=8 "),
+        ):
+            with pytest.raises(ValueError, match=error):
+                jaxllm.generate([[1, 2, 3]], params, model=model, **bad)
             assert jaxllm.notebook._shared[0][1] is engine
         with pytest.raises(FileNotFoundError, match="does not exist"):  # a mistyped path
             jaxllm.generate([[1, 2, 3]], params, model=str(checkpoint.path / "x"), **settings)
@@ -451,6 +460,8 @@ def test_a_refused_call_leaves_the_seeds_of_unseeded_requests_as_they_were(
     used, fresh = (LLM(str(checkpoint.path), **BASE_SETTINGS) for _ in range(2))
     with pytest.raises(ValueError, match="prompt 1"):
         used.generate([greedy_prompts[0], [10**9]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="takes one prompt"):
+        used.stream(greedy_prompts[:2], params)
     outputs = used.generate(greedy_prompts[:2], params, use_tqdm=False)
     expected = fresh.generate(greedy_prompts[:2], params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
