@@ -158,7 +158,10 @@ class XGrammar:
     def takes(params) -> bool:
         """Whether `params` is a JSON schema xgrammar enforces (ANNOTATIONS says which)."""
         kind, text = params.spec
-        return kind == "json" and _enforced(json.loads(text))
+        try:
+            return kind == "json" and _enforced(json.loads(text))
+        except TypeError:  # a part of the wrong type (unhashable), which llguidance refuses
+            return False
 
     def compile(self, params):
         """`params`' compiled grammar (RuntimeError: a schema xgrammar cannot compile).
@@ -266,7 +269,9 @@ def _enforced(schema) -> bool:
         return False
     parts = [schema.get("items", True), schema.get("additionalProperties", True)]
     parts += schema.get("prefixItems", [])
-    properties = schema.get("properties", {})
-    if not isinstance(properties, dict) or not set(schema.get("required", [])) <= set(properties):
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        return False
+    if not set(required) <= set(properties):
         return False
     return all(map(_enforced, [*parts, *properties.values()]))

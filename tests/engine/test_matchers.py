@@ -60,6 +60,9 @@ SCHEMA = {
         ({"$defs": {"a": {"$id": "urn:a"}}, "type": "array", "items": {"$ref": "urn:a"}}, False),
         ({"anyOf": [{"const": "x"}, {"enum": [1, 2], "title": "t"}, {"$ref": "#"}]}, True),
         ({"type": ["integer", "null"], "description": "d"}, True),
+        ({"type": ["integer", {"type": "string"}]}, False),  # malformed: no error
+        ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, False),
+        ({"type": "object", "properties": {"a": {}}, "required": "a"}, False),
     ],
 )
 def test_xgrammar_takes_schemas_of_the_keywords_it_enforces(schema, takes):
