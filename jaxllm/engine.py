@@ -46,7 +46,7 @@ class Engine:
         tokenizer: decodes outputs and finds stop strings.
         startup_seconds: the seconds of each start-up phase.
         default_sampling_params: what a call without sampling params samples with (the
-            model's generation config, `startup.default_sampling_params`).
+            model's generation config, `generation_config.default_sampling_params`).
 
     Mutates: the scheduler's queues and block pool, the runner's KV cache, its request records.
     """

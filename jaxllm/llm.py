@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import IncrementalDetokenizer
+from jaxllm.generation_config import generation_fields
 from jaxllm.interrupts import interrupts_held
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
@@ -23,7 +24,7 @@ from jaxllm.platform import Platform
 from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts, with_derived_seeds
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import check_model, generation_fields, start_engine
+from jaxllm.startup import check_model, start_engine
 
 Message = dict[str, Any]
 
@@ -103,8 +104,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What calls without sampling params sample with: the model's generation_config.json
-        over SamplingParams() (vLLM's rule, `startup.default_sampling_params`). Frozen: change
-        it with `dataclasses.replace(llm.get_default_sampling_params(), max_tokens=...)`."""
+        over SamplingParams() (vLLM's rule, `generation_config.default_sampling_params`).
+        Frozen: change it with `dataclasses.replace(llm.get_default_sampling_params(), ...)`."""
         return self.engine.default_sampling_params
 
     @property

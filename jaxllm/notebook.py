@@ -10,13 +10,11 @@ from typing import Any
 
 from jaxllm.config import EngineConfig
 from jaxllm.llm import LLM
-from jaxllm.model.checkpoint import check_checkpoint
-from jaxllm.model.sharding import check_tensor_parallel, make_mesh
 from jaxllm.outputs import RequestOutput
 from jaxllm.platform import Platform
 from jaxllm.prompts import Prompt
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import check_model, resolve_defaults, resolve_model
+from jaxllm.startup import check_model, check_settings, resolve_model
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
 # Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
@@ -56,23 +54,13 @@ def generate(
         if not _shared or _shared[0][0] != key:
             engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
             path = None if model is None else resolve_model(os.fspath(model))  # it exists
-            _check_settings(path, engine_kwargs)
+            platform = Platform.detect()  # NOTE: LLM's defaults, checked as LLM checks them
+            name = platform.default_model if path is None else path
+            defaults = platform.default_engine_kwargs if path is None else {}
+            check_settings(name, EngineConfig(**(defaults | engine_kwargs)), platform)
             _shared.clear()
             _shared.append((key, LLM(path, **engine_kwargs)))
         return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def _check_settings(path: str | None, engine_kwargs: dict[str, Any]) -> None:
-    """The checks `LLM` makes before it reads weights, against the model (None: the default)
-    and the devices: a broken checkpoint, max_model_len beyond the model, a tensor-parallel
-    size the devices or the model cannot take."""
-    platform = Platform.detect()
-    if path is None:
-        path, engine_kwargs = platform.default_model, platform.default_engine_kwargs | engine_kwargs
-    model_config = check_checkpoint(path, engine_kwargs.get("dtype") or platform.dtype)
-    config = resolve_defaults(EngineConfig(**engine_kwargs), model_config, platform)
-    make_mesh(config.tensor_parallel_size)
-    check_tensor_parallel(model_config, config.tensor_parallel_size)
 
 
 def _model_key(model: str | os.PathLike | None) -> str | None:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jaxllm.config import EngineConfig
 from jaxllm.engine import Engine
 from jaxllm.executables import ExecutableStore
-from jaxllm.fields import as_int
+from jaxllm.generation_config import default_sampling_params, eos_token_ids
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import (
     RANDOM_PREFIX,
@@ -35,10 +35,10 @@ from jaxllm.model.checkpoint import (
     check_params_fit,
     load_params,
 )
-from jaxllm.model.config import Qwen3Config, param_bytes, read_json
+from jaxllm.model.config import Qwen3Config, param_bytes
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
-from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
+from jaxllm.model.sharding import check_tensor_parallel, make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -121,68 +121,6 @@ def resolve_model(model: str) -> str:
         ) from error
 
 
-def generation_config(model_path: str) -> tuple[Path, dict[str, Any]]:
-    """The model's generation_config.json and its fields ({} without one).
-
-    Raises:
-        ValueError: not a JSON object, naming the file.
-    """
-    path = Path(model_path) / "generation_config.json"
-    found = read_json(path) if path.is_file() else {}
-    if not isinstance(found, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(found).__name__}")
-    return path, found
-
-
-def eos_token_ids(tokenizer, model_path: str) -> tuple[int, ...]:
-    """The tokenizer's eos plus those of the model's generation_config.json."""
-    own = tokenizer.eos_token_id
-    ids = set() if own is None else {int(own)}
-    path, found = generation_config(model_path)
-    eos = found.get("eos_token_id")
-    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if not all(as_int(token) is not None and 0 <= token < 2**31 for token in eos):
-        raise ValueError(f"{path}: eos_token_id must be token ids, got {eos!r}")
-    ids.update(eos)
-    return tuple(sorted(ids))
-
-
-# generation_config.json's sampling fields that vLLM takes as a model's defaults -> their
-# SamplingParams names.
-GENERATION_DEFAULTS = {"max_new_tokens": "max_tokens"} | {
-    name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-}
-
-
-def default_sampling_params(model_path: str) -> SamplingParams:
-    """SamplingParams() with the sampling fields of the model's generation_config.json over
-    its defaults, as vLLM takes them (`GENERATION_DEFAULTS`).
-
-    Raises:
-        ValueError: a value SamplingParams refuses, naming the file.
-    """
-    path, found = generation_config(model_path)
-    given = {name: value for name, value in found.items() if value is not None}
-    fields = {ours: given[name] for name, ours in GENERATION_DEFAULTS.items() if name in given}
-    if fields:  # NOTE: as vLLM, said once: calls without sampling params sample differently
-        logger.info("sampling defaults from %s: %s", path, fields)
-    try:
-        return SamplingParams(**fields)
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-
-
-def generation_fields(params: SamplingParams) -> dict[str, Any]:
-    """The generation_config.json fields that `default_sampling_params` reads back as
-    `params` (those that differ from SamplingParams()'s)."""
-    plain = SamplingParams()
-    return {
-        theirs: getattr(params, ours)
-        for theirs, ours in GENERATION_DEFAULTS.items()
-        if getattr(params, ours) != getattr(plain, ours)
-    }
-
-
 @contextlib.contextmanager
 def timed_phase(seconds: dict[str, float], name: str) -> Iterator[None]:
     """Adds the block's wall time to `seconds[name]` and logs it."""
@@ -215,6 +153,26 @@ def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platfor
     )
 
 
+def check_settings(
+    model: str, config: EngineConfig, platform: Platform
+) -> tuple[str, Qwen3Config, EngineConfig, Mesh]:
+    """(path, model config, `config` with its defaults, mesh): what start-up checks before it
+    reads a weight or compiles, so that a caller can check before it drops another engine.
+
+    Raises:
+        ValueError: max_model_len beyond the model, a tensor-parallel size the devices or the
+            model cannot take.
+        CheckpointError: a checkpoint whose tensors do not fit its config.
+        FileNotFoundError: a model that is neither a directory nor downloadable.
+    """
+    path = resolve_model(model)
+    model_config = check_checkpoint(path, config.dtype or platform.dtype)  # the tensors too
+    config = resolve_defaults(config, model_config, platform)
+    mesh = make_mesh(config.tensor_parallel_size)
+    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    return path, model_config, config, mesh
+
+
 def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine:
     """A ready engine for `model` (a directory, a Hub id or "random:<shape>").
 
@@ -227,12 +185,9 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     cache = configure_compilation_cache()
     seconds: dict[str, float] = {}
     phase = functools.partial(timed_phase, seconds)
-    path = resolve_model(model)
+    path, model_config, config, mesh = check_settings(model, config, platform)
     dtype = config.dtype or platform.dtype
-    model_config = check_checkpoint(path, dtype)  # its tensors too: before the weights load
-    config = resolve_defaults(config, model_config, platform)
-    mesh = make_mesh(config.tensor_parallel_size)
-    check_params_fit(model_config, mesh)  # and that the mesh divides the model
+    check_params_fit(model_config, mesh)
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile

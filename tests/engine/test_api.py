@@ -209,7 +209,7 @@ def test_one_call_generate_builds_one_engine_for_threads_at_once(monkeypatch):
 
     monkeypatch.setattr(jaxllm.notebook, "LLM", SlowLLM)
     monkeypatch.setattr(jaxllm.notebook, "check_model", lambda model: None)
-    monkeypatch.setattr(jaxllm.notebook, "_check_settings", lambda path, engine_kwargs: None)
+    monkeypatch.setattr(jaxllm.notebook, "check_settings", lambda model, config, platform: None)
     monkeypatch.setattr(jaxllm.notebook, "_shared", [])
 
     def run(models: list[str]) -> list[str]:

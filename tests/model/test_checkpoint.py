@@ -239,7 +239,7 @@ def test_a_file_of_the_checkpoint_that_is_not_json_is_named(saved, name):
 
 
 def test_model_files_that_are_not_json_or_name_no_token_ids_are_named(tmp_path):
-    from jaxllm.startup import eos_token_ids
+    from jaxllm.generation_config import eos_token_ids
 
     (tmp_path / "config.json").write_text('{"architectures": ')
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
