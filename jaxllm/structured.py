@@ -318,7 +318,9 @@ class Grammars:
     def _build(self, params: StructuredOutputsParams, grammar: str) -> tuple:
         """(library, compiled grammar) of a checked spec: xgrammar's where it is installed and
         takes the spec, else llguidance's of `grammar`."""
-        if self._xgrammar is None and XGrammar.takes(params):
+        if not XGrammar.takes(params):
+            return self._llguidance, self._llguidance.compile(grammar)
+        if self._xgrammar is None:
             try:
                 self._xgrammar = XGrammar(self._tokenizer, self.vocab_size, self._eos)
             except ImportError:
@@ -326,7 +328,7 @@ class Grammars:
             except Exception as error:  # NOTE: any, of a library llguidance stands in for
                 logger.warning("JSON schemas go to llguidance: xgrammar failed: %s", error)
                 self._xgrammar = False
-        if self._xgrammar and XGrammar.takes(params):
+        if self._xgrammar:
             try:
                 return self._xgrammar, self._xgrammar.compile(params)
             except Exception:  # NOTE: a schema it cannot compile (RuntimeError), or any error
