@@ -176,22 +176,6 @@ def _saved_config(path: Path) -> Qwen3Config:
         raise CheckpointError(f"{path / CONFIG_FILE} is not a Qwen3Config: {error}") from None
 
 
-def check_orbax_checkpoint(path: str | Path) -> None:
-    """The checks of `load_orbax_checkpoint` that read no weight: the config, and the shapes and
-    dtypes of its manifest (when it has one) against the config's params.
-
-    Raises:
-        CheckpointError: as `load_orbax_checkpoint`, or a directory without its params.
-    """
-    path = Path(path).absolute()
-    saved = _saved_config(path)
-    if not (path / PARAMS_DIR).is_dir():
-        raise CheckpointError(f"orbax checkpoint {path} has no {PARAMS_DIR} directory")
-    manifest_file = path / MANIFEST_FILE
-    if manifest_file.exists():
-        _verify(path, read_json(manifest_file), abstract_params(saved), checksum=False)
-
-
 def load_orbax_checkpoint(
     path: str | Path, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
@@ -280,6 +264,30 @@ def check_params_fit(config: Qwen3Config, mesh: Mesh) -> None:
     check_fits(what, param_bytes(config, tp), mesh)
 
 
+def _saved(path_or_preset: str | Path) -> tuple[str, Qwen3Config]:
+    """The kind of `path_or_preset` ("random", "orbax" or "hf") and its config as saved.
+
+    Raises:
+        ValueError: an unknown preset or unsupported model.
+        CheckpointError: a directory that is not a checkpoint.
+    """
+    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
+        name = path_or_preset.removeprefix(RANDOM_PREFIX)
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        return "random", PRESETS[name]
+    path = Path(path_or_preset)
+    if (path / CONFIG_FILE).exists():
+        return "orbax", _saved_config(path)
+    if (path / "config.json").exists():
+        return "hf", Qwen3Config.from_hf(path)
+    raise CheckpointError(
+        f"{path_or_preset} is neither a Hugging Face checkpoint (config.json), an orbax "
+        f"checkpoint ({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: "
+        f"{', '.join(PRESETS)})"
+    )
+
+
 def load_params(
     path_or_preset: str | Path, dtype: str | None = None, seed: int = 0, mesh: Mesh | None = None
 ) -> tuple[Qwen3Config, Params]:
@@ -299,36 +307,37 @@ def load_params(
         CheckpointError: a directory that is not a checkpoint or does not match its config.
     """
     mesh = mesh or make_mesh(1)
-    config = load_config(path_or_preset, dtype)
-    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
-        check_params_fit(config, mesh)
-        return config, init_params(config, seed, mesh)
-    path = Path(path_or_preset)
-    if (path / CONFIG_FILE).exists():
+    kind, saved = _saved(path_or_preset)
+    config = saved.replace(dtype=dtype or saved.dtype)
+    if kind == "orbax":
         # NOTE: read in the saved dtype, then cast: the wider of the two bounds the memory.
-        saved = _saved_config(path)
         check_params_fit(max(saved, config, key=lambda c: c.jnp_dtype.itemsize), mesh)
-        return load_orbax_checkpoint(path, dtype, mesh)
+        return load_orbax_checkpoint(path_or_preset, dtype, mesh)
     check_params_fit(config, mesh)
-    return load_hf_checkpoint(path, dtype, mesh=mesh)
+    if kind == "random":
+        return config, init_params(config, seed, mesh)
+    return load_hf_checkpoint(path_or_preset, dtype, mesh=mesh)
 
 
 def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Config:
-    """The config `load_params` returns (`load_config`), once what it checks before it reads any
-    weight holds, without reading one: for a start-up to refuse a broken checkpoint before it
-    compiles anything.
+    """The config `load_params` returns, once what it checks before it reads any weight holds
+    (an orbax checkpoint's params directory and manifest; a Hugging Face one's index and
+    tensor headers), without reading one: for a start-up to refuse a broken checkpoint before
+    it compiles anything.
 
     Raises:
         ValueError, CheckpointError: as `load_params`.
     """
-    config = load_config(path_or_preset, dtype)
-    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
-        return config
-    path = Path(path_or_preset)
-    if (path / CONFIG_FILE).exists():
-        check_orbax_checkpoint(path)
-    else:
-        check_hf_checkpoint(path, dtype)
+    kind, saved = _saved(path_or_preset)
+    config, path = saved.replace(dtype=dtype or saved.dtype), Path(path_or_preset).absolute()
+    if kind == "hf":
+        check_hf_checkpoint(path, config)
+    elif kind == "orbax":
+        if not (path / PARAMS_DIR).is_dir():
+            raise CheckpointError(f"orbax checkpoint {path} has no {PARAMS_DIR} directory")
+        if (path / MANIFEST_FILE).exists():
+            manifest = read_json(path / MANIFEST_FILE)
+            _verify(path, manifest, abstract_params(saved), checksum=False)
     return config
 
 
@@ -337,22 +346,7 @@ def load_config(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Co
     without any weight.
 
     Raises:
-        ValueError: an unknown preset or unsupported model.
-        CheckpointError: a directory that is not a checkpoint.
+        ValueError, CheckpointError: as `_saved`.
     """
-    if isinstance(path_or_preset, str) and path_or_preset.startswith(RANDOM_PREFIX):
-        name = path_or_preset.removeprefix(RANDOM_PREFIX)
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-        config = PRESETS[name]
-    elif (Path(path_or_preset) / CONFIG_FILE).exists():
-        config = _saved_config(Path(path_or_preset))
-    elif (Path(path_or_preset) / "config.json").exists():
-        config = Qwen3Config.from_hf(Path(path_or_preset))
-    else:
-        raise CheckpointError(
-            f"{path_or_preset} is neither a Hugging Face checkpoint (config.json), an orbax "
-            f"checkpoint ({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: "
-            f"{', '.join(PRESETS)})"
-        )
-    return config.replace(dtype=dtype or config.dtype)
+    saved = _saved(path_or_preset)[1]
+    return saved.replace(dtype=dtype or saved.dtype)

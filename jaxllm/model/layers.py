@@ -18,7 +18,7 @@ from jaxllm.model.attention import PORTABLE, Kernels, attend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import KVCache, write_kv
-from jaxllm.model.sharding import TP_AXIS, sum_over_shards
+from jaxllm.model.sharding import TP_AXIS
 
 WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -40,7 +40,7 @@ class Qwen3Module(nn.Module):
 def add_shards(out: jax.Array, dtype: jnp.dtype, tp_size: int) -> jax.Array:
     """A row-parallel projection's float32 output [T, D], summed over the devices' shares."""
     # NOTE: the shares travel in the model dtype (half the bytes); one device keeps float32.
-    return sum_over_shards(out.astype(dtype), tp_size) if tp_size > 1 else out
+    return jax.lax.psum(out.astype(dtype), TP_AXIS) if tp_size > 1 else out
 
 
 def embed_tokens(embed: jax.Array, token_ids: jax.Array, tp_size: int) -> jax.Array:
@@ -52,7 +52,7 @@ def embed_tokens(embed: jax.Array, token_ids: jax.Array, tp_size: int) -> jax.Ar
     local_ids = token_ids - jax.lax.axis_index(TP_AXIS) * vocab_per_device  # [T]
     mine = (local_ids >= 0) & (local_ids < vocab_per_device)
     x = embed[jnp.where(mine, local_ids, 0)]  # [T, D]
-    return sum_over_shards(jnp.where(mine[:, None], x, 0).astype(x.dtype), tp_size)
+    return jax.lax.psum(jnp.where(mine[:, None], x, 0).astype(x.dtype), TP_AXIS)
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.model.config import Qwen3Config, read_json
-from jaxllm.model.qwen3 import Params, abstract_params, param_shardings
+from jaxllm.model.qwen3 import Params, abstract_params, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -226,10 +226,8 @@ def load_hf_checkpoint(
     path = Path(path)
     config = Qwen3Config.from_hf(path)
     config = config.replace(dtype=dtype or config.dtype)
-    shapes = abstract_params(config)
-    expected = expected_tensors(config, shapes)
-    shapes = flatten_dict(shapes)
-    shardings = flatten_dict(param_shardings(config, mesh or make_mesh(1)))
+    expected = expected_tensors(config, abstract_params(config))
+    leaves = flatten_dict(sharded_param_shapes(config, mesh or make_mesh(1)))
 
     with contextlib.ExitStack() as stack:
         handles = _open_checked(path, config, expected, stack)
@@ -239,10 +237,10 @@ def load_hf_checkpoint(
         params: Params = {}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
             for param_path, names in by_param.items():
-                shape, sharding = shapes[param_path].shape, shardings[param_path]
+                shape, sharding = leaves[param_path].shape, leaves[param_path].sharding
                 blocks = []
                 for device, index in sharding.addressable_devices_indices_map(shape).items():
-                    host = np.empty(_block_shape(shape, index), config.jnp_dtype)
+                    host = np.empty(sharding.shard_shape(shape), config.jnp_dtype)
                     for name in names:
                         tensor = handles[name].get_slice(name)
                         _read_into(host, tensor, expected[name], shape, index)
@@ -255,16 +253,9 @@ def load_hf_checkpoint(
     return config, unflatten_dict(params)
 
 
-def check_hf_checkpoint(path: str | Path, dtype: str | None = None) -> None:
-    """The checks of `load_hf_checkpoint` that read no weight: the config, the index and every
-    tensor's name, shape and dtype from the files' headers.
-
-    Raises:
-        CheckpointError, ValueError: as `load_hf_checkpoint`.
-    """
-    path = Path(path)
-    config = Qwen3Config.from_hf(path)
-    config = config.replace(dtype=dtype or config.dtype)
+def check_hf_checkpoint(path: Path, config: Qwen3Config) -> None:
+    """The checks of `load_hf_checkpoint` that read no weight: the index and every tensor's
+    name, shape and dtype from the files' headers (CheckpointError as it)."""
     with contextlib.ExitStack() as stack:
         _open_checked(path, config, expected_tensors(config, abstract_params(config)), stack)
 
@@ -309,10 +300,6 @@ def _open_checked(
     return handles
 
 
-def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
-    return tuple(len(range(*part.indices(size))) for part, size in zip(index, shape, strict=True))
-
-
 def _read_into(
     host: np.ndarray, hf_slice, tensor: _Tensor, shape: tuple[int, ...], index: tuple[slice, ...]
 ) -> None:
@@ -324,5 +311,5 @@ def _read_into(
         in_part[part.axis] = slice(part.start, part.start + part.size)
         target = host[tuple(in_part)]
         shape, index = part.shape(shape), part.index(index, shape)  # the unfused param's
-    block = layout.convert(hf_slice[layout.hf_index(shape, index)], _block_shape(shape, index))
-    target[...] = block.reshape(target.shape)
+    # NOTE: the unfused block's shape merges two of `target`'s axes: one reshape does both.
+    target[...] = layout.convert(hf_slice[layout.hf_index(shape, index)], target.shape)

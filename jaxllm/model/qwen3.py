@@ -49,8 +49,8 @@ from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import KVCache, allocate_kv_cache, kv_cache_specs
 from jaxllm.model.layers import DecoderLayer, RMSNorm, embed_tokens, rotary_cos_sin, sharded
 from jaxllm.model.sharding import (
+    TP_AXIS,
     check_tensor_parallel,
-    gather_shards,
     logical_to_spec,
     shard_map,
     tensor_parallel_size,
@@ -93,7 +93,9 @@ class Qwen3ForCausalLM(nn.Module):
             init = sharded(("embed", "vocab"))
             lm_head = self.param("lm_head", init, (c.hidden_size, vocab), dtype)
             logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
-        return gather_shards(logits, 1, tp), kv_cache  # [S, V] (all of V)
+        if tp > 1:  # all of V
+            logits = jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
+        return logits, kv_cache  # [S, V]
 
 
 def _apply_layer(config, tp_size, kernels, params, x, kv_cache, layer, cos, sin, inputs):

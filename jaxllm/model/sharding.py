@@ -104,16 +104,6 @@ def shard_map(
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def sum_over_shards(x: jax.Array, tensor_parallel_size: int) -> jax.Array:
-    """Adds the devices' partial results (row-parallel matmuls) under shard_map; identity at 1."""
-    return jax.lax.psum(x, TP_AXIS) if tensor_parallel_size > 1 else x
-
-
-def gather_shards(x: jax.Array, axis: int, tensor_parallel_size: int) -> jax.Array:
-    """Concatenates the devices' slices of `axis` under shard_map; identity at 1."""
-    return jax.lax.all_gather(x, TP_AXIS, axis=axis, tiled=True) if tensor_parallel_size > 1 else x
-
-
 @contextlib.contextmanager
 def gspmd_partitioner() -> Iterator[None]:
     """Within the block, jax lowers (and XLA compiles) for the GSPMD partitioner, not Shardy."""
