@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is"
+ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 MODEL_DEFAULT = "default: the model's generation_config.json, else SamplingParams()'s"
 
 
@@ -96,16 +97,14 @@ def _main(argv: list[str] | None) -> int:
                 disable_any_whitespace=args.disable_any_whitespace,
             )
             grammars.check(structured)
-        given = {name: getattr(args, name) for name in ("temperature", "top_p", "max_tokens")}
-        flags = {name: value for name, value in given.items() if value is not None}
-        flags |= dict(seed=args.seed, ignore_eos=args.ignore_eos, structured_outputs=structured)
+        flags = {n: getattr(args, n) for n in ("temperature", "top_p", "max_tokens", "seed")}
+        flags = {n: v for n, v in flags.items() if v is not None}
+        flags |= dict(ignore_eos=args.ignore_eos, structured_outputs=structured)
         SamplingParams(**flags)
     except (ImportError, OSError, ValueError) as error:
         args.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
-    for setting in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, setting) is not None:
-            kwargs[setting] = getattr(args, setting)
+    kwargs |= {s: v for s in ENGINE_FLAGS if (v := getattr(args, s)) is not None}
     try:
         llm = LLM(args.model, **kwargs)
     except (OSError, TypeError, ValueError) as error:  # a flag out of range, a missing model

@@ -37,16 +37,8 @@ class _Checked(NamedTuple):
 
 
 class Engine:
-    """Runs requests to completion, one step at a time (`jaxllm.startup.start_engine` builds it).
-
-    Args:
-        config: the settings, those left to the model and platform filled in.
-        scheduler: the host side: queues, block pool, plans.
-        runner: the device side: params, KV cache, executables.
-        tokenizer: decodes outputs and finds stop strings.
-        startup_seconds: the seconds of each start-up phase.
-        default_sampling_params: what a call without sampling params samples with (the
-            model's generation config, `generation_config.default_sampling_params`).
+    """Runs requests to completion, one step at a time (`jaxllm.startup.start_engine` builds it):
+    the scheduler is the host side (queues, block pool, plans), the runner the device side.
 
     Mutates: the scheduler's queues and block pool, the runner's KV cache, its request records.
     """
@@ -58,10 +50,10 @@ class Engine:
         runner: ModelRunner,
         tokenizer,
         startup_seconds: dict,
-        default_sampling_params: SamplingParams | None = None,
+        default_sampling_params: SamplingParams,
     ) -> None:
         self.config = config
-        self.default_sampling_params = default_sampling_params or SamplingParams()
+        self.default_sampling_params = default_sampling_params
         self.scheduler = scheduler
         self.runner = runner
         self.compiled_at_startup = runner.num_compiled
@@ -89,24 +81,10 @@ class Engine:
             ImportError: structured outputs without llguidance installed.
         """
         vocab = self.runner.config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(
-                    f"SamplingParams.{name}={value} is more than max_logprobs="
-                    f"{self.config.max_logprobs} (an LLM setting)"
-                )
-            if value is not None and value > vocab:
-                raise ValueError(
-                    f"SamplingParams.{name}={value} is more than the model's vocabulary ({vocab})"
-                )
-        ids = np.asarray(prompt_token_ids)
-        bad = ids[(ids < 0) | (ids >= vocab)] if ids.ndim == 1 and ids.size else ids[:0]
-        if bad.size:
-            raise ValueError(
-                f"token id {int(bad[0])} is outside the model's vocabulary [0, {vocab})"
-            )
-        bad_words, processes = self._check_processors(params)
+        bad = next((token for token in prompt_token_ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+        bad_words, processes = self._check_params(params)
         grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         seqs = []
         for index in range(params.n):
@@ -117,25 +95,33 @@ class Engine:
             seq = self.scheduler.new_sequence(
                 prompt_token_ids, child, stop_strings, processors, sequence_grammar
             )
+            seq.parent = seqs[0] if index else None
             seqs.append(seq)
-            seqs[-1].parent = seqs[0] if index else None
         return Request(seqs, prompt, RequestMetrics(arrival_time=0.0))
 
-    def _check_processors(self, params: SamplingParams) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    def _check_params(self, params: SamplingParams) -> tuple[tuple[tuple[int, ...], ...], bool]:
         """The token ids of the bad words, and whether logits processors apply (min_tokens: when
-        it has stop tokens to ban), after checking the token ids the params name.
+        it has stop tokens to ban), after checking the params against the model and the engine.
 
         Raises:
-            ValueError: a `logit_bias` key or an `allowed_token_ids` entry outside the
-                vocabulary, or allowed tokens that one-token bad words, with min_tokens' ban of
-                the stop tokens, ban all of, naming the field.
+            ValueError: logprobs above max_logprobs or the vocabulary, a `logit_bias` key or an
+                `allowed_token_ids` entry outside the vocabulary, or allowed tokens that one-token
+                bad words, with min_tokens' ban of the stop tokens, ban all of, naming the field.
         """
-        vocab = self.runner.config.vocab_size
-        for name, tokens in (
-            ("logit_bias", params.logit_bias or ()),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            outside = [token for token in tokens if token >= vocab]
+        vocab, most = self.runner.config.vocab_size, self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name) or 0
+            if value > most:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than max_logprobs={most} (an LLM "
+                    "setting)"
+                )
+            if value > vocab:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than the model's vocabulary ({vocab})"
+                )
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [token for token in getattr(params, name) or () if token >= vocab]
             if outside:
                 raise ValueError(
                     f"SamplingParams.{name} names token {outside[0]}, outside the model's "
@@ -192,7 +178,7 @@ class Engine:
         """Empties the prefix cache: True, or False while a sequence is live (nothing changed)."""
         if self.scheduler.has_unfinished():
             return False
-        self._require_idle("reset_prefix_cache")  # drops a step left in flight
+        self._require_idle("reset_prefix_cache")
         self.scheduler.reset()
         return True
 
@@ -232,12 +218,11 @@ class Engine:
             )
 
     def _require_idle(self, what: str) -> None:
-        """Raises RuntimeError while a sequence is live; drops what is left in flight once none
-        is (a step planned before the last sequence stopped: its tokens change nothing)."""
-        if not self.scheduler.has_unfinished():
-            self._in_flight = self._next_plan = None
-        if self.has_unfinished():
+        """Raises RuntimeError while a sequence is live; else drops what is left in flight (a
+        step planned before the last sequence stopped: its tokens change nothing)."""
+        if self.scheduler.has_unfinished():
             raise RuntimeError(f"{what} while requests are running: finish or abort them first")
+        self._in_flight = self._next_plan = None
 
     def has_request(self, request_id: int) -> bool:
         """Whether the request is queued, running or finished with its output not yet returned."""

@@ -21,11 +21,10 @@ from jaxllm.sched import Sequence
 def completion_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of completion `index` of a request of `params.n`: a stream of its own. The
     first alone computes the prompt's logprobs (the request's), the others reuse its KV."""
-    fields = {"n": 1, "prompt_logprobs": params.prompt_logprobs if index == 0 else None}
-    if params.seed is not None:
-        return replace(params, seed=(params.seed + index) % SEED_LIMIT, **fields)
-    derived = ((params._derived_seed or 0) + index) % SEED_LIMIT
-    return replace(params, _derived_seed=derived, **fields)
+    seed = (params.sampling_seed + index) % SEED_LIMIT
+    field = "_derived_seed" if params.seed is None else "seed"
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, prompt_logprobs=prompt_logprobs, **{field: seed})
 
 
 class TokenTexts:
@@ -83,33 +82,29 @@ def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs |
 
 
 def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> CompletionOutput:
+    params, tokens, rows = seq.params, seq.output_token_ids, seq.output_logprobs
     stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
-    if not seq.params.detokenize:
+    if not params.detokenize:
         text = ""
     elif stop_strings is not None and stop_strings.text_end is not None:
         text = stop_strings.text
     else:  # NOTE: as in vLLM, the stop token that ended it is not in the text unless asked
-        tokens, params = seq.output_token_ids, seq.params
-        if seq.finish_reason == "stop" and seq.stops_at(tokens[-1]):
-            tokens = tokens if params.include_stop_str_in_output else tokens[:-1]
-        text = decode_tokens(token_texts.tokenizer, tokens, params.skip_special_tokens)
-    completion = CompletionOutput(
+        stopped = seq.finish_reason == "stop" and seq.stops_at(tokens[-1])
+        kept = tokens[:-1] if stopped and not params.include_stop_str_in_output else tokens
+        text = decode_tokens(token_texts.tokenizer, kept, params.skip_special_tokens)
+    logprobs = cumulative_logprob = None
+    if params.logprobs is not None:
+        logprobs = _logprobs(tokens, rows, params.logprobs, token_texts, params.detokenize)
+        cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
+    return CompletionOutput(
         index=index,
         text=text,
-        token_ids=list(seq.output_token_ids),
-        cumulative_logprob=None,
-        logprobs=None,
+        token_ids=list(tokens),
+        cumulative_logprob=cumulative_logprob,
+        logprobs=logprobs,
         finish_reason=seq.finish_reason,
         stop_reason=_stop_reason(seq, stop_strings, token_texts.tokenizer.eos_token_id),
     )
-    if seq.params.logprobs is not None:
-        rows = seq.output_logprobs
-        wanted = seq.params.logprobs
-        completion.logprobs = _logprobs(
-            seq.output_token_ids, rows, wanted, token_texts, seq.params.detokenize
-        )
-        completion.cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
-    return completion
 
 
 def _stop_reason(
@@ -133,7 +128,7 @@ def _logprobs(
     rows: list[np.ndarray],
     wanted: int,
     token_texts: TokenTexts,
-    detokenize: bool = True,
+    detokenize: bool,
 ) -> SampleLogprobs:
     """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
     of the device's logprobs (`sampler.token_logprobs`), built as they are read."""

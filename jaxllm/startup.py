@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -41,7 +40,6 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
-from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder, Scheduler, SchedulerConfig
 from jaxllm.tokenizer import load_tokenizer
 
@@ -206,7 +204,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     is_random = path.startswith(RANDOM_PREFIX)
-    defaults = SamplingParams() if is_random else default_sampling_params(path)
+    defaults = default_sampling_params(path)  # SamplingParams() where it has no generation config
     # NOTE: the device's memory before this engine's weights (the KV cache is sized from it)
     memory = jax.local_devices()[0].memory_stats() or {}
     params_bytes = param_bytes(model_config, config.tensor_parallel_size)
@@ -245,7 +243,11 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
         # each process runs on its main thread, before anything else. Under TP with custom
         # kernels the ladder's compile switches the process to GSPMD meanwhile: the weights are
         # placed by their shardings alone, the same under either partitioner.
-        loaded_params = pool.submit(load) if jax.process_count() == 1 else _resolved(load())
+        if jax.process_count() == 1:
+            loaded_params = pool.submit(load)
+        else:
+            loaded_params = concurrent.futures.Future()
+            loaded_params.set_result(load())
         runner = ModelRunner(
             model_config,
             sharded_param_shapes(model_config, mesh),
@@ -291,12 +293,6 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     )
     scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
     return Engine(config, scheduler, runner, tokenizer, seconds, defaults)
-
-
-def _resolved(value: Any) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
 
 
 def fit_num_blocks(

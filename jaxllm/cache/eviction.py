@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -94,7 +93,7 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     def __init__(self) -> None:
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest free first
+        self._evictable: dict[int, None] = {}  # oldest free first
 
     def on_free(self, block_id: int) -> None:
         self._evictable[block_id] = None
