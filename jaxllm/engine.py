@@ -56,7 +56,7 @@ class Engine:
         self.default_sampling_params = default_sampling_params
         self.scheduler = scheduler
         self.runner = runner
-        self.compiled_at_startup = runner.num_compiled
+        self.compiled_at_startup = runner.num_executables
         self.tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
         self.startup_seconds = startup_seconds

@@ -100,7 +100,7 @@ class LLM:
     @property
     def num_compilations_since_startup(self) -> int:
         """XLA executables built in this process since this engine finished starting."""
-        return self.engine.runner.num_compiled - self.engine.compiled_at_startup
+        return self.engine.runner.num_executables - self.engine.compiled_at_startup
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What calls without sampling params sample with: the model's generation_config.json

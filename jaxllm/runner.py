@@ -143,7 +143,6 @@ class ModelRunner:
         # NOTE: what the model's programs depend on besides their arguments (`depends_on`)
         self._settings = (config, kernels, max_sampled_rows)
         self.executables = executables or ExecutableStore()  # none: every program compiled
-        self.num_compiled = 0  # executables built (or loaded from the persistent cache)
         self.ladder: tuple[Bucket, ...] = ()  # compiled at start-up; none: at first use
 
     def _allocate_kv_cache(self) -> Any:
@@ -168,10 +167,9 @@ class ModelRunner:
     def sleep(self, weights: bool = False) -> None:
         """Frees the KV cache (and drops the weights, with `weights`); `wake_up` allocates it
         again. Nothing compiled is lost."""
-        self._previous = None
-        self.processors.reset()
         jax.tree.map(lambda array: array.delete(), self.kv_cache)
         self.kv_cache = None
+        self.reset()  # asleep: allocates nothing
         if weights:
             self.params = None
 
@@ -254,7 +252,6 @@ class ModelRunner:
             partitioner_for(self.mesh, self.kernels.custom_calls),
         ):
             self.executables.build(map(keyed, programs), threads, done)
-        self.num_compiled += total
 
     def compile_ladder(self, buckets: Iterable[Bucket]) -> None:
         """Compiles every bucket a step can have (the ladder), with the samplers of

@@ -102,7 +102,7 @@ def profile(model: str) -> dict:
         "model": model,
         "marks_s": {b: marks[b] - marks[a] for a, b in itertools.pairwise(steps)},
         "phases_s": llm.startup_seconds,
-        "num_executables": llm.engine.runner.num_compiled,
+        "num_executables": llm.engine.runner.num_executables,
         "num_loaded": llm.engine.runner.executables.num_loaded,
         "torch_imported": "torch" in sys.modules,
         "wall_s": {

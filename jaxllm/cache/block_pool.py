@@ -94,18 +94,14 @@ class BlockPool:
             )
         self.policy.pool = self
         self.clock = clock
-        self._ref_counts = [0] * num_blocks
-        self._hashes: list[int | None] = [None] * num_blocks
         self._keys = [0] * num_blocks
         self._parent_keys = [0] * num_blocks
-        self._tokens: list[bytes | None] = [None] * num_blocks
         # What policies see of a cached block (`block_info`).
         self._metadata: list[Mapping] = [NO_METADATA] * num_blocks
         self._num_hits = [0] * num_blocks
         self._positions = [0] * num_blocks
         self._holder_blocks = [0] * num_blocks
-        self._hash_to_block: dict[int, int] = {}
-        self._empty = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._clear()
         self._new_keys = itertools.count(ROOT_KEY + 1)
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
@@ -130,18 +126,9 @@ class BlockPool:
     def find_cached_prefix(
         self, token_ids: np.ndarray | Sequence[int], block_hashes: Sequence[int], max_blocks: int
     ) -> list[int]:
-        """The block ids, in order, of the longest run of cached blocks holding the KV of the
-        first blocks of `token_ids` (possibly none).
-
-        Mutates nothing, not even the statistics (`record_query` counts).
-
-        Args:
-            token_ids: [N] the request's tokens.
-            block_hashes: chained hashes of at least the first `max_blocks` full blocks.
-            max_blocks: look at most this many blocks deep.
-        """
-        if not self.enable_prefix_caching:
-            return []
+        """The ids of the longest run of cached blocks holding the KV of the first blocks (at
+        most `max_blocks`) of `token_ids`, whose chained hashes are `block_hashes`. Mutates
+        nothing, not even the statistics (`record_query` counts)."""
         size = self.block_size
         hit: list[int] = []
         parent_key = ROOT_KEY
@@ -171,10 +158,7 @@ class BlockPool:
         if self.num_blocks_to_take(cached_block_ids, num_new_blocks) > self.num_free_blocks:
             return None
         for block_id in cached_block_ids:
-            self._ref_counts[block_id] += 1
-            self._num_hits[block_id] += 1
-            self.policy.on_hit(block_id)
-            self._check_policy("on_hit", block_id, evictable=False)
+            self._reference(block_id)
         return [*cached_block_ids, *self._take_fresh(num_new_blocks)]
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> bool:
@@ -235,17 +219,10 @@ class BlockPool:
         first: int,
         last: int,
     ) -> None:
-        """Enters the full, computed blocks `first` .. `last - 1` of a table into the cache.
-
-        Mutates `block_table` in place where an identical block is already cached (one prefix
-        computed twice in a step): the table switches to it and its own copy returns to the
-        empty list. After a collision (another block owns the hash) the rest stays uncached.
-
-        Args:
-            block_table: the sequence's blocks; `first` .. `last - 1` referenced by it alone.
-            token_ids: [N] the sequence's tokens, N >= last * block_size.
-            block_hashes: chained hashes of at least `last` blocks of `token_ids`.
-        """
+        """Enters the full, computed blocks `first` .. `last - 1` of a table (referenced by it
+        alone) into the cache. Where an identical block is already cached (one prefix computed
+        twice in a step) the table switches to it in place and its own copy returns to the empty
+        list; after a collision (another block owns the hash) the rest stays uncached."""
         if not self.enable_prefix_caching or first >= last:
             return
         if first == 0:
@@ -271,10 +248,7 @@ class BlockPool:
             elif owner != block_id:
                 if self._tokens[owner] != tokens or self._parent_keys[owner] != parent_key:
                     return  # a hash collision
-                self._ref_counts[owner] += 1
-                self._num_hits[owner] += 1
-                self.policy.on_hit(owner)
-                self._check_policy("on_hit", owner, evictable=False)
+                self._reference(owner)
                 block_table[index] = owner
                 self.free((block_id,))
                 block_id = owner
@@ -290,11 +264,14 @@ class BlockPool:
                     self.policy.on_free(block_id)
                 self.policy.on_evict(block_id)
         finally:
-            self._ref_counts = [0] * self.num_blocks
-            self._hashes = [None] * self.num_blocks
-            self._tokens = [None] * self.num_blocks
-            self._hash_to_block.clear()
-            self._empty = list(range(self.num_blocks - 1, -1, -1))
+            self._clear()
+
+    def _clear(self) -> None:
+        """Every block empty: no reference, no entry."""
+        n = self.num_blocks
+        self._ref_counts, self._hashes, self._tokens = [0] * n, [None] * n, [None] * n
+        self._hash_to_block: dict[int, int] = {}
+        self._empty = list(range(n - 1, -1, -1))  # a stack: block 0 is handed out first
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admission: `num_tokens` looked up, `num_hit_tokens` served from the cache."""
@@ -319,7 +296,12 @@ class BlockPool:
                 block_id = self._empty.pop()
             else:
                 block_id = self.policy.victim()
-                if not self._evictable(block_id):
+                if not (  # a cached block no sequence holds
+                    isinstance(block_id, int | np.integer)
+                    and 0 <= block_id < self.num_blocks
+                    and self._ref_counts[block_id] == 0
+                    and self._hashes[block_id] is not None
+                ):
                     raise RuntimeError(
                         f"{type(self.policy).__name__}.victim() chose {block_id!r}, which is not "
                         "an evictable block (cached, unreferenced) of its pool"
@@ -332,6 +314,13 @@ class BlockPool:
             taken.append(block_id)
         return taken
 
+    def _reference(self, block_id: int) -> None:
+        """One more reference to a cached block, a prefix hit (no longer evictable)."""
+        self._ref_counts[block_id] += 1
+        self._num_hits[block_id] += 1
+        self.policy.on_hit(block_id)
+        self._check_policy("on_hit", block_id, evictable=False)
+
     def _check_policy(self, hook: str, block_id: int, evictable: bool) -> None:
         """Raises RuntimeError unless the policy's `hook` left `block_id` in it iff `evictable`."""
         if (block_id in self.policy) != evictable:
@@ -340,15 +329,6 @@ class BlockPool:
                 f"{'out of' if evictable else 'among'} its evictable blocks (`in`): a policy "
                 "holds each cached free block from on_free until on_hit or on_evict"
             )
-
-    def _evictable(self, block_id: object) -> bool:
-        """Whether `block_id` is a cached block no sequence holds."""
-        return (
-            isinstance(block_id, int | np.integer)
-            and 0 <= block_id < self.num_blocks
-            and self._ref_counts[block_id] == 0
-            and self._hashes[block_id] is not None
-        )
 
     def _forget(self, block_id: int) -> None:
         """Drops the prefix-cache entry of a block (evicted, or not admitted)."""

@@ -18,12 +18,8 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
-    """The xxhash64 (an unsigned 64-bit int) of one full block chained to its parent.
-
-    Args:
-        parent_hash: the previous block's hash; None for the first block of a sequence.
-        token_ids: [block_size] the token ids of this block.
-    """
+    """The xxhash64 (an unsigned 64-bit int) of one full block's tokens chained to its parent's
+    hash (None for a sequence's first block)."""
     # NOTE: a root block hashes its tokens only, so no parent value can imitate "no parent".
     parent = b"" if parent_hash is None else parent_hash.to_bytes(8, "little")
     return xxhash.xxh64_intdigest(parent + pack_token_ids(token_ids))
@@ -32,12 +28,8 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -
 def extend_block_hashes(
     block_hashes: list[int], token_ids: Sequence[int] | np.ndarray, block_size: int
 ) -> None:
-    """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks.
-
-    Args:
-        block_hashes: hashes of the first len(block_hashes) blocks of `token_ids`; mutated.
-        token_ids: [N] the tokens; only the N // block_size full blocks are hashed.
-    """
+    """Appends to `block_hashes` (those of the first blocks) the hashes of the full blocks of
+    `token_ids` it lacks."""
     parent = block_hashes[-1] if block_hashes else None
     for index in range(len(block_hashes), len(token_ids) // block_size):
         start = index * block_size

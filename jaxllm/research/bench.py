@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = dataclasses.replace(params[0], temperature=0.0, max_tokens=warmup_tokens)
     llm.generate(["Benchmark: "], warmup, use_tqdm=False)
 
-    compilations, built_before = count_compilations(), llm.engine.runner.num_compiled
+    compilations, built_before = count_compilations(), llm.engine.runner.num_executables
     stats_before = llm.cache_stats()
     preemptions_before = llm.engine.scheduler.num_preemptions
     runs = []
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_executables": llm.num_executables,
         "compilations_during_run": len(compilations),
         # built or loaded from jaxllm's store of executables (which JAX does not count)
-        "executables_built_during_run": llm.engine.runner.num_compiled - built_before,
+        "executables_built_during_run": llm.engine.runner.num_executables - built_before,
         "num_kvcache_blocks": llm.num_kvcache_blocks,
         "attention_kernels": dataclasses.asdict(llm.kernels),
         "device": device,

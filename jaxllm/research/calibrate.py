@@ -235,7 +235,7 @@ def replay(engine, requests: Sequence[Request], model: StepCostModel) -> dict:
 
     engine.reset()
     before = engine.scheduler.stats()
-    compiled_before = engine.runner.num_compiled
+    compiled_before = engine.runner.num_executables
     run = run_timed(engine, requests)
     policy = engine.config.eviction_policy
     policy = policy if isinstance(policy, str) else type(policy)()
@@ -255,7 +255,7 @@ def replay(engine, requests: Sequence[Request], model: StepCostModel) -> dict:
         "engine_steps": len(run.samples),
         "engine_steps_fit": fit_report(model, run.samples),
         # NOTE: a step that compiles takes far longer than its model says.
-        "compilations_during_replay": engine.runner.num_compiled - compiled_before,
+        "compilations_during_replay": engine.runner.num_executables - compiled_before,
         "simulator_steps": simulated.num_prefill_steps + simulated.num_decode_steps,
         "cost_model": model.as_dict(),
     }

@@ -4,10 +4,8 @@ Every padded shape (bucket) comes from the fixed `BucketLadder` (`jaxllm.sched.b
 `plan_step` is the only place the step's arrays (in the format of `jaxllm.model.inputs`) are
 built.
 
-Legend: T tokens, G tiles, S sampled rows, W block-table width (blocks), K decode steps.
-Decode steps have G == T == S (tiles of one token); prefill steps have G = T // prefill_tile
-and S = G. A decode plan of K > 1 steps runs them in one executable, each step's sampled
-tokens the next one's inputs; the host gives the KV slots of every step ([K, T]).
+Shapes as in `jaxllm.sched.buckets`. A decode plan of K > 1 steps runs them in one executable,
+each step's sampled tokens the next one's inputs; the host gives the KV slots of every step.
 """
 
 from __future__ import annotations

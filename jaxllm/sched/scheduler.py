@@ -255,7 +255,6 @@ class Scheduler:
         """("prefill", seqs, counts) of the step's prefill chunks, or None."""
         cfg = self.config
         tile, budget = cfg.prefill_tile, cfg.max_num_batched_tokens
-        self._skipped_compiling = False  # NOTE: read by `schedule`
         seqs: list[Sequence] = []
         counts: list[int] = []
 
