@@ -40,6 +40,7 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_
 from jaxllm.model.sharding import check_tensor_parallel, make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Bucket, BucketLadder, Scheduler, SchedulerConfig
 from jaxllm.tokenizer import load_tokenizer
 
@@ -204,7 +205,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     ladder = BucketLadder.from_config(settings, one_width=kernels.prefill == "flash")
     largest = max(ladder.buckets(), key=lambda bucket: (bucket.num_tokens, bucket.width))
     is_random = path.startswith(RANDOM_PREFIX)
-    defaults = default_sampling_params(path)  # SamplingParams() where it has no generation config
+    defaults = SamplingParams() if is_random else default_sampling_params(path)
     # NOTE: the device's memory before this engine's weights (the KV cache is sized from it)
     memory = jax.local_devices()[0].memory_stats() or {}
     params_bytes = param_bytes(model_config, config.tensor_parallel_size)

@@ -129,6 +129,8 @@ class BlockPool:
         """The ids of the longest run of cached blocks holding the KV of the first blocks (at
         most `max_blocks`) of `token_ids`, whose chained hashes are `block_hashes`. Mutates
         nothing, not even the statistics (`record_query` counts)."""
+        if not self.enable_prefix_caching:
+            return []
         size = self.block_size
         hit: list[int] = []
         parent_key = ROOT_KEY
