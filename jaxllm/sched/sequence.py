@@ -134,15 +134,15 @@ class Sequence:
 
     def finish_reason_at(self, token: int, last: bool = True) -> FinishReason | None:
         """Why it ends with its newest token `token` (`last`: the last its grammar read), as
-        vLLM decides: a stop token short of max_tokens (its text unsearched), a stop string,
-        max_tokens ("length"), a grammar that admits nothing more; None: it goes on."""
-        length = self.num_output_tokens >= self.max_tokens
-        if not length and self.stops_at(token):
+        vLLM decides: a stop token (its text unsearched; on the last token max_tokens allows
+        too), a stop string, max_tokens ("length"), a grammar that admits nothing more; None:
+        it goes on."""
+        if self.stops_at(token):
             return "stop"
         # NOTE: the stop strings see every other token, so their text stays whole.
         if self.stop_strings is not None and self.stop_strings(token):
             return "stop"
-        if length:
+        if self.num_output_tokens >= self.max_tokens:
             return "length"
         if not (last and self.grammar and self.grammar.is_terminated):
             return None

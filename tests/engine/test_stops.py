@@ -72,6 +72,7 @@ def test_stop_token_ids_and_min_tokens(make_llm, checkpoint, continuation, setti
         greedy(stop_token_ids=[stop], min_tokens=index + 1),
         greedy(stop_token_ids=[stop], min_tokens=NUM_TOKENS),
         greedy(stop_token_ids=[stop], max_tokens=index),
+        greedy(stop_token_ids=[stop], max_tokens=index + 1),  # the last token allowed: a stop
     ]
     outputs = llm.generate([PROMPT] * len(cases), cases, use_tqdm=False)
 
@@ -223,14 +224,17 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         seeded(stop_token_ids=[tokens[index]], include_stop_str_in_output=True),
         seeded(**forced_eos, include_stop_str_in_output=True),
         seeded(**forced_eos, stop_token_ids=[eos]),  # the eos first, as in vLLM: no reason
+        # On the last token max_tokens allows, a stop token still stops (vLLM checks it first).
+        seeded(stop_token_ids=[tokens[index]], max_tokens=index + 1),
+        seeded(**forced_eos, max_tokens=1),
     ]
     outputs = text_llm.generate(["The capital of France is"] * len(cases), cases, use_tqdm=False)
 
-    for output in outputs[:2]:
-        assert output.token_ids == tokens[: index + 1]
+    for output in [*outputs[:2], outputs[7]]:
+        assert (output.token_ids, output.finish_reason) == (tokens[: index + 1], "stop")
         assert output.text == tokenizer.decode(tokens[:index])
         assert output.outputs[0].stop_reason == tokens[index]
-    for output in [*outputs[2:4], outputs[6]]:
+    for output in [*outputs[2:4], *outputs[6::2]]:
         assert (output.token_ids, output.text, output.finish_reason) == ([eos], "", "stop")
         assert output.outputs[0].stop_reason is None
     # include_stop_str_in_output: the stop token's text too (vLLM's meaning)

@@ -259,14 +259,14 @@ def test_stop_conditions():
     assert runs["ignore_eos"].num_output_tokens == 5
 
 
-def test_max_tokens_comes_before_a_stop_token():
-    """vLLM's order: a stop token sampled as the last token max_tokens allows ends it by length
-    (its text then stays in the output)."""
+def test_a_stop_token_on_the_last_token_max_tokens_allows_is_a_stop():
+    """vLLM's order: stop tokens before max_tokens, so a stop token sampled as the last token
+    max_tokens allows ends it as a stop (its text then left out of the output)."""
     scheduler = make_scheduler()
     seq = make_seq(scheduler, 3, max_tokens=2, stop_token_ids=[7])
     scheduler.update(scheduler.schedule(), [5])
     assert scheduler.update(scheduler.schedule(), [7]) == [seq]
-    assert (seq.finish_reason, seq.output_token_ids) == ("length", [5, 7])
+    assert (seq.finish_reason, seq.output_token_ids) == ("stop", [5, 7])
 
 
 def test_min_tokens_bans_reach_the_device_across_preemption():
