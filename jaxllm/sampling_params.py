@@ -99,8 +99,8 @@ class SamplingParams:
             keep, reaches top_p. Range (0, 1].
         min_p: drop tokens whose probability is below min_p times the top one (before top-k
             and top-p, as vLLM). Range [0, 1].
-        max_tokens: generate at most this many tokens. Range [1, inf); None: as many as
-            max_model_len leaves (vLLM's meaning).
+        max_tokens: generate at most this many tokens (64 by default, where vLLM's is 16).
+            Range [1, inf); None: as many as max_model_len leaves (vLLM's meaning).
         min_tokens: eos and stop_token_ids are not sampled, and stop strings not matched in
             the text, until this many tokens are out (vLLM's meaning; with ignore_eos, eos is
             not banned, where vLLM bans the model's).
