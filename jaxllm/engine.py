@@ -178,7 +178,7 @@ class Engine:
         """Empties the prefix cache: True, or False while a sequence is live (nothing changed)."""
         if self.scheduler.has_unfinished():
             return False
-        self._require_idle("reset_prefix_cache")
+        self._require_idle("reset_prefix_cache")  # drops a step left in flight
         self.scheduler.reset()
         return True
 

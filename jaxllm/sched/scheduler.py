@@ -73,6 +73,7 @@ class Scheduler:
         self.num_constrained = 0  # live sequences with a grammar
         self._live: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
+        self._skipped_compiling = False  # the last prefill plan passed grammars still compiling
 
     def new_sequence(
         self,
