@@ -24,7 +24,7 @@ from jaxllm.platform import Platform
 from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts, with_derived_seeds
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import check_model, start_engine
+from jaxllm.startup import check_model, engine_settings, start_engine
 
 Message = dict[str, Any]
 
@@ -54,10 +54,8 @@ class LLM:
         check_model(model)
         gc.collect()  # NOTE: engines dropped before free their device memory first
         platform = Platform.detect()
-        if model is None:
-            kwargs = platform.default_engine_kwargs | kwargs
-        self.model = platform.default_model if model is None else os.fspath(model)
-        self.engine = start_engine(self.model, EngineConfig(**kwargs), platform)
+        self.model, config = engine_settings(model, kwargs, platform)
+        self.engine = start_engine(self.model, config, platform)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict[str, float] = {}

@@ -14,7 +14,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.platform import Platform
 from jaxllm.prompts import Prompt
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.startup import check_model, check_settings, resolve_model
+from jaxllm.startup import check_model, check_settings, engine_settings, resolve_model
 
 # NOTE: one engine at a time: a GPU engine fills most of the device's memory with its KV cache.
 # Threads that ask for one wait for one another (`_shared_lock`): it is built once, and alone.
@@ -54,10 +54,8 @@ def generate(
         if not _shared or _shared[0][0] != key:
             engine_kwargs = EngineConfig.check_kwargs(engine_kwargs)
             path = None if model is None else resolve_model(os.fspath(model))  # it exists
-            platform = Platform.detect()  # NOTE: LLM's defaults, checked as LLM checks them
-            name = platform.default_model if path is None else path
-            defaults = platform.default_engine_kwargs if path is None else {}
-            check_settings(name, EngineConfig(**(defaults | engine_kwargs)), platform)
+            platform = Platform.detect()  # NOTE: LLM's settings, checked as LLM checks them
+            check_settings(*engine_settings(path, engine_kwargs, platform), platform)
             _shared.clear()
             _shared.append((key, LLM(path, **engine_kwargs)))
         return _shared[0][1].generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -152,6 +152,16 @@ def resolve_defaults(config: EngineConfig, model: Qwen3Config, platform: Platfor
     )
 
 
+def engine_settings(
+    model: str | os.PathLike | None, kwargs: dict, platform: Platform
+) -> tuple[str, EngineConfig]:
+    """The model to load and its settings: None is the platform's default model, with the
+    platform's default engine kwargs under the given ones."""
+    if model is None:
+        return platform.default_model, EngineConfig(**(platform.default_engine_kwargs | kwargs))
+    return os.fspath(model), EngineConfig(**kwargs)
+
+
 def check_settings(
     model: str, config: EngineConfig, platform: Platform
 ) -> tuple[str, Qwen3Config, EngineConfig, Mesh]:

@@ -331,8 +331,8 @@ class Grammars:
         if self._xgrammar:
             try:
                 return self._xgrammar, self._xgrammar.compile(params)
-            except Exception:  # NOTE: a schema it cannot compile (RuntimeError), or any error
-                pass
+            except Exception as error:  # NOTE: a schema it cannot compile (RuntimeError), or any
+                logger.warning("a JSON schema goes to llguidance: xgrammar failed: %s", error)
         return self._llguidance, self._llguidance.compile(grammar)
 
     def sequence_grammar(self, compiled: concurrent.futures.Future) -> SequenceGrammar:
