@@ -64,7 +64,6 @@ class Engine:
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
         self._by_seq: dict[int, Request] = {}
         self._in_flight: tuple[StepPlan, StepResult] | None = None
-        self._dispatched_at = 0.0  # when the step that dispatched `_in_flight` began
         # The next step's plan, made while a constrained step's forward pass ran (`_masks`).
         self._next_plan: StepPlan | None = None
         eos = scheduler.config.eos_token_ids
@@ -248,8 +247,6 @@ class Engine:
         the engine first (`reset`).
         """
         start = time.perf_counter()
-        if self._in_flight is not None and self.scheduler.num_constrained:
-            self.grammars.speculation.time(self._in_flight[0], start - self._dispatched_at)
         outputs: list[RequestOutput] = []
         seconds = {"wait": 0.0, "masks": 0.0, "masks_late": 0}
         try:
@@ -282,7 +279,7 @@ class Engine:
                 error.add_note(f"resetting the engine raised too: {reset_error!r}")
             raise
         if plan is not None:
-            self._in_flight, self._dispatched_at = (plan, result), start
+            self._in_flight = (plan, result)
             kind = self.stats.prefill if plan.is_prefill else self.stats.decode
             kind.tokens += plan.num_tokens
             kind.seconds += time.perf_counter() - start

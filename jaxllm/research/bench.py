@@ -364,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
         "speculated_tokens_accepted": llm.engine.grammars.speculation.accepted,
         "speculation_check_s": llm.engine.grammars.speculation.seconds,
         "speculative_plans_ahead": llm.engine.grammars.speculation.plans_ahead,
-        "constrained_one_step_plan_s": llm.engine.grammars.speculation.one_step_seconds,
-        "speculative_plan_s": llm.engine.grammars.speculation.speculative_seconds,
         "startup_s": startup_s,
         "compile_s": llm.compile_seconds,
         "startup_phases_s": llm.startup_seconds,
