@@ -137,8 +137,10 @@ class StopStrings:
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
     answers True once a stop string shows in the settled text (`IncrementalDetokenizer`),
-    ending after the text of the first `min_tokens` tokens (vLLM's rule); `text` is then the
-    output up to it (through it with `include_stop_str_in_output`). No prompt context: the
+    ending after the text of the first `min_tokens` tokens (vLLM's rule); of several in one
+    token's text, the one that ends first (then the first in `stop`), as the text would show
+    them character by character (vLLM's `check_stop_strings`). `text` is then the output up to
+    it (through it with `include_stop_str_in_output`). No prompt context: the
     text must equal the output tokens decoded alone (as without stop strings), also when the
     prompt ends inside a multi-byte character.
 
@@ -168,7 +170,7 @@ class StopStrings:
         ]
         if not hits:
             return False
-        start, self.matched = min(hits, key=lambda hit: hit[0])
+        start, self.matched = min(hits, key=lambda hit: hit[0] + len(hit[1]))
         self.text_end = start + len(self.matched) if self._include else start
         return True
 

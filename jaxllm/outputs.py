@@ -126,6 +126,10 @@ class CompletionOutput:
     finish_reason: str
     stop_reason: str | int | None = None
 
+    def finished(self) -> bool:
+        """Whether the completion ended (always, offline; vLLM's method)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

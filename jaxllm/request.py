@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxllm.detokenizer import StopStrings, decode_tokens, known_ids
+from jaxllm.detokenizer import IncrementalDetokenizer, StopStrings, decode_tokens, known_ids
 from jaxllm.outputs import (
     CompletionOutput,
     PromptLogprobs,
@@ -92,6 +92,10 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
         stopped = seq.finish_reason == "stop" and seq.stops_at(tokens[-1])
         kept = tokens[:-1] if stopped and not params.include_stop_str_in_output else tokens
         text = decode_tokens(token_texts.tokenizer, kept, params.skip_special_tokens)
+        if text.endswith("\ufffd"):  # NOTE: an incomplete last character is left out, as vLLM's
+            detokenizer = IncrementalDetokenizer(token_texts.tokenizer, params.skip_special_tokens)
+            detokenizer.step(kept)
+            text = detokenizer.text
     logprobs = cumulative_logprob = None
     if params.logprobs is not None:
         logprobs = _logprobs(tokens, rows, params.logprobs, token_texts, params.detokenize)

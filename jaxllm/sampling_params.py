@@ -92,8 +92,10 @@ class SamplingParams:
     Python int and float. Booleans are not numbers, and flags must be booleans.
 
     Attributes:
-        temperature: 0 means greedy; otherwise logits are divided by it, at least
-            `MIN_TEMPERATURE` (a smaller one is raised to it, with a warning). Range [0, inf).
+        temperature: 0 means greedy (top_k, top_p and min_p then set off, as vLLM does; n > 1
+            gives n equal completions, where vLLM refuses it); otherwise logits are divided by
+            it, at least `MIN_TEMPERATURE` (a smaller one is raised to it, with a warning).
+            Range [0, inf).
         top_k: keep the k most likely tokens; 0 (or -1) keeps all.
         top_p: keep the smallest set of tokens whose probability, among those min-p and top-k
             keep, reaches top_p. Range (0, 1].
@@ -179,6 +181,9 @@ class SamplingParams:
         check_fields(self, _CHECKS, prefix="SamplingParams.", optional={"max_tokens"})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.greedy:  # NOTE: filters keep the best token: off, as vLLM sets them
+            for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+                object.__setattr__(self, name, off)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             logger.warning(
                 "SamplingParams.temperature=%s is raised to %s, as vLLM does to avoid numerical "

@@ -83,7 +83,7 @@ def test_invalid_value_raises_naming_the_field(field, value):
 VALID = [
     {},
     {"temperature": 0},
-    {"temperature": 0.0, "top_k": 1},
+    {"temperature": 0.01, "top_k": 1},
     {"temperature": 2.5, "top_k": 50, "top_p": 0.9, "min_p": 0.05},
     {"top_p": 1.0, "min_p": 1.0},
     {"top_p": 1e-6, "min_p": 0.0},
@@ -134,6 +134,9 @@ def test_a_temperature_below_vllms_floor_is_raised_to_it(caplog):
 
 def test_greedy_and_seed():
     assert SamplingParams(temperature=0).greedy
+    greedy = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2)
+    assert (greedy.top_k, greedy.top_p, greedy.min_p) == (0, 1.0, 0.0)  # off, as vLLM sets them
+    assert greedy == SamplingParams(temperature=0)
     assert not SamplingParams(temperature=0.5).greedy
     assert SamplingParams(seed=7).sampling_seed == 7
     assert SamplingParams().sampling_seed == 0

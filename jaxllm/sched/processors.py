@@ -100,15 +100,21 @@ def changes_logits(seq: Sequence) -> bool:
 
 def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """vLLM's token ids of bad words: each word as it is, and after a space where that gives
-    the same number of tokens and a different first token."""
+    the same number of tokens and a different first token.
+
+    Raises:
+        ValueError: a word of no tokens (whitespace alone), as vLLM does.
+    """
     ids = []
     for word in words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"SamplingParams.bad_words: {word!r} is no token (bans nothing)")
         ids.append(tuple(plain))
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if len(spaced) == len(plain) and spaced[0] != plain[0]:
             ids.append(tuple(spaced))
-    return tuple(word for word in ids if word)
+    return tuple(ids)
 
 
 def one_token_words(words: tuple[tuple[int, ...], ...]) -> set[int]:

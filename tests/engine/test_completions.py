@@ -24,6 +24,7 @@ def test_n_greedy_completions_share_one_prefill(make_llm, checkpoint, prompt_log
     (output,) = llm.generate(prompt, params, use_tqdm=False)
 
     assert [c.index for c in output.outputs] == list(range(8))
+    assert all(c.finished() for c in output.outputs) and output.finished
     assert all(c.token_ids == expected for c in output.outputs)
     assert output.token_ids == expected  # the first completion's
     full_blocks = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE

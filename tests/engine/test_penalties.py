@@ -372,6 +372,14 @@ def test_invalid_settings_name_the_field(field, llm, checkpoint):
     check_usable(llm, checkpoint)
 
 
+def test_a_bad_word_of_whitespace_is_refused_before_any_work(llm, checkpoint):
+    prefilled = llm.engine.stats.prefill.tokens
+    with pytest.raises(ValueError, match=r"SamplingParams\.bad_words: '  ' is no token"):
+        llm.generate([[1, 2], [3, 4]], [greedy_params(4), greedy_params(4, bad_words=["  "])])
+    assert llm.engine.stats.prefill.tokens == prefilled
+    check_usable(llm, checkpoint)
+
+
 # field -> (settings SamplingParams accepts but the model's vocabulary does not, the token)
 OUTSIDE_THE_VOCABULARY = {
     "logit_bias": (dict(logit_bias={3: 1.0, VOCAB_SIZE: 2.0}), VOCAB_SIZE),

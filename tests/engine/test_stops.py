@@ -414,7 +414,9 @@ def first_hit(tokenizer, token_ids: list[int], stop: list[str]) -> tuple[int | N
 
 def test_text_of_byte_tokens(llm):
     """Byte tokens (ids below 256) rarely form valid UTF-8: a stop string of U+FFFDs hits at the
-    first token whose settled text holds it; the text ends before it, also when streamed."""
+    first token whose settled text holds it; the text ends before it, also when streamed. An
+    output cut off inside a character leaves that character out (vLLM's text holds no
+    incomplete one)."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, VOCAB_SIZE, 9).tolist() for _ in range(8)]
     stop = "\ufffd\ufffd"
@@ -427,10 +429,21 @@ def test_text_of_byte_tokens(llm):
         if output.finish_reason == "stop":
             assert (len(tokens), output.text) == (hit, settled[-1][: settled[-1].index(stop)])
         else:
-            assert (hit, output.text) == (None, llm.tokenizer.decode(tokens))
+            assert (hit, output.text) == (None, settled[-1])
         streamed = list(llm.stream(prompt, params))
         assert "".join(delta.text for delta in streamed) == output.text
     assert {o.finish_reason for o in outputs} == {"stop", "length"}
+
+
+def test_an_output_cut_off_inside_a_character_leaves_it_out(llm):
+    """Lead bytes alone: each is settled as an invalid character (U+FFFD) by the next, the last
+    is incomplete and left out, streamed or not."""
+    lead = token_of(llm.tokenizer, b"\xe4")
+    for max_tokens, text in ((1, ""), (3, "\ufffd\ufffd")):
+        params = SamplingParams(max_tokens=max_tokens, allowed_token_ids=[lead], ignore_eos=True)
+        [output] = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert (output.token_ids, output.text) == ([lead] * max_tokens, text)
+        assert "".join(delta.text for delta in llm.stream([1, 2, 3], params)) == text
 
 
 def test_stop_string_completed_by_a_token_that_starts_another_character(tokenizer):
@@ -447,6 +460,20 @@ def test_stop_string_completed_by_a_token_that_starts_another_character(tokenize
     assert first_hit(tokenizer, ids + completed, ["两한"]) == (len(ids) + 2, "Hi ")
     # The incomplete character after "两" never completes: "两" is still found at once.
     assert first_hit(tokenizer, ids + completed[:1] * 3, ["两"]) == (len(ids), "Hi ")
+
+
+def test_of_stop_strings_in_one_tokens_text_the_one_that_ends_first_stops(tokenizer):
+    """As the text would show them character by character (vLLM's rule): in " hello", "ell"
+    ends before "hello", though it starts after; of two that end alike, the first listed."""
+    [hello] = tokenizer.encode(" hello")
+    assert first_hit(tokenizer, [hello], ["hello", "ell"]) == (1, " h")
+    assert first_hit(tokenizer, [hello], ["llo", "hello"]) == (1, " he")
+    stop_strings = StopStrings(tokenizer, SamplingParams(stop=["lo", "hello"]))
+    assert stop_strings(hello) and stop_strings.matched == "lo"
+    through = StopStrings(
+        tokenizer, SamplingParams(stop=["hello", "ell"], include_stop_str_in_output=True)
+    )
+    assert through(hello) and (through.matched, through.text) == ("ell", " hell")
 
 
 def test_stop_string_with_replacement_characters(tokenizer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -356,7 +357,8 @@ def test_bad_word_ids_adds_the_spaced_variant_as_vllm_does():
     assert bad_word_ids(tokenizer, ("world",)) == ((4,), (5,))
     assert bad_word_ids(tokenizer, ("same",)) == ((6, 7),)
     assert bad_word_ids(tokenizer, (" ab", "hello")) == ((9, 10), (11, 12), (1, 2))  # lstrip
-    assert bad_word_ids(tokenizer, (" ",)) == ()  # nothing left to ban
+    with pytest.raises(ValueError, match=r"SamplingParams\.bad_words: ' ' is no token"):
+        bad_word_ids(tokenizer, ("hello", " "))  # nothing to ban: vLLM refuses it too
 
 
 def test_a_banned_token_stays_banned_under_a_penalty_that_rounds_to_zero():

@@ -266,6 +266,8 @@ def test_from_params_pads_with_greedy_rows():
     assert (inputs.seeds[0], inputs.seed_high[0]) == (fold_seed(2**40 + 5), 2**8)
     np.testing.assert_array_equal(inputs.seed_high[1:], 0)
     assert fold_seed(2**40 + 5) != fold_seed(5)
+    huge = SamplingInputs.from_params([SamplingParams(top_k=2**40)], [0], 1)
+    assert huge.top_k.tolist() == [np.iinfo(np.int32).max]  # the whole vocabulary either way
     with pytest.raises(ValueError):
         SamplingInputs.from_params([SamplingParams()] * 3, [0, 0, 0], 2)
 
