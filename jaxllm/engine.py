@@ -105,8 +105,9 @@ class Engine:
 
         Raises:
             ValueError: logprobs above max_logprobs or the vocabulary, a `logit_bias` key or an
-                `allowed_token_ids` entry outside the vocabulary, or allowed tokens that one-token
-                bad words, with min_tokens' ban of the stop tokens, ban all of, naming the field.
+                `allowed_token_ids` or `stop_token_ids` entry outside the vocabulary, or allowed
+                tokens that one-token bad words, with min_tokens' ban of the stop tokens, ban
+                all of, naming the field.
         """
         vocab, most = self.runner.config.vocab_size, self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -120,7 +121,7 @@ class Engine:
                 raise ValueError(
                     f"SamplingParams.{name}={value} is more than the model's vocabulary ({vocab})"
                 )
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             outside = [token for token in getattr(params, name) or () if token >= vocab]
             if outside:
                 raise ValueError(

@@ -159,7 +159,8 @@ def chat_prompts(
     Raises:
         ValueError: a malformed conversation, both add_generation_prompt and
             continue_final_message, or a template that fails on a conversation (its
-            `raise_exception`, a syntax error), naming the conversation.
+            `raise_exception`, a syntax error, a value of the wrong type), naming the
+            conversation.
         TypeError: chat_template_kwargs not a dict of str keys (other than the template's
             own: conversation, messages, tokenize), or a flag not a bool.
     """
@@ -181,7 +182,7 @@ def chat_prompts(
     for index, conversation in enumerate(parse_conversations(messages)):
         try:
             prompts.append(tokenizer.apply_chat_template(conversation, **options))
-        except jinja2.TemplateError as error:
+        except (jinja2.TemplateError, TypeError, ValueError) as error:  # the template's own
             raise ValueError(f"conversation {index}: the chat template failed: {error}") from None
     return prompts
 

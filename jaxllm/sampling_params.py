@@ -139,7 +139,9 @@ class SamplingParams:
         bad_words: words never generated: the last token of each word (and of the word after
             a space) is banned whenever the output ends with the tokens before it.
         structured_outputs: a JSON schema, regex, choice or grammar the output follows
-            (`StructuredOutputsParams`).
+            (`StructuredOutputsParams`). The grammar wins: where it allows only tokens that
+            bad_words or min_tokens ban, one of them is sampled, and it ends the output where
+            it completes, before min_tokens if so.
         extra_args: the request's metadata for custom code (vLLM's name), e.g. a priority, a
             session or a tenant; eviction policies read it (`cache.eviction.BlockInfo`).
 
@@ -249,7 +251,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         return None
     bias = {}
     for token, number in value.items():
-        if isinstance(token, str) and token.isdigit():
+        if isinstance(token, str) and token.isdecimal():
             token = int(token)
         token, number = _token_id(token), as_real(number)
         if token is None or number is None or not abs(number) <= FLOAT32_MAX:

@@ -170,7 +170,7 @@ def check_settings(
 
     Raises:
         ValueError: max_model_len beyond the model, a tensor-parallel size the devices or the
-            model cannot take.
+            model cannot take, num_kvcache_blocks too few for one max_model_len request.
         CheckpointError: a checkpoint whose tensors do not fit its config.
         FileNotFoundError: a model that is neither a directory nor downloadable.
     """
@@ -179,7 +179,22 @@ def check_settings(
     config = resolve_defaults(config, model_config, platform)
     mesh = make_mesh(config.tensor_parallel_size)
     check_tensor_parallel(model_config, config.tensor_parallel_size)
+    if config.num_kvcache_blocks:
+        check_room(config.num_kvcache_blocks, config)
     return path, model_config, config, mesh
+
+
+def check_room(num_blocks: int, config: EngineConfig) -> None:
+    """Raises ValueError where a KV cache of `num_blocks` cannot hold one max_model_len
+    request."""
+    block_size, max_model_len = config.kvcache_block_size, config.max_model_len
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+            f"({num_blocks * block_size} tokens), less than one request of max_model_len="
+            f"{max_model_len}; raise num_kvcache_blocks (or gpu_memory_utilization), or lower "
+            "max_model_len"
+        )
 
 
 def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine:
@@ -242,13 +257,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
                 config, model_config, scratch, largest, platform, memory, params_bytes, per_block
             )
-        if num_blocks * block_size < config.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
-                f"({num_blocks * block_size} tokens), less than one request of max_model_len="
-                f"{config.max_model_len}; raise num_kvcache_blocks (or gpu_memory_utilization), or "
-                "lower max_model_len"
-            )
+        check_room(num_blocks, config)
         load = functools.partial(load_params, path, dtype=dtype, seed=config.seed, mesh=mesh)
         # NOTE: with several processes the weights are placed by collectives across them, which
         # each process runs on its main thread, before anything else. Under TP with custom

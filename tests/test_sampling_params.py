@@ -24,6 +24,7 @@ INVALID = [
     ("temperature", 1e39),  # inf in float32, as the device computes
     ("repetition_penalty", 1e39),
     ("logit_bias", {7: -1e39}),
+    ("logit_bias", {"²": 1.0}),  # a digit, but no decimal one
     ("temperature", np.bool_(True)),
     ("temperature", np.float32("nan")),
     ("temperature", 1j),

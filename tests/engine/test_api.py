@@ -251,6 +251,7 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm, tmp_path):
             (str(checkpoint.path), {"max_model_len": 10**6}, "max_position_embeddings"),
             (None, {"max_model_len": 10**6}, "max_position_embeddings"),
             (str(checkpoint.path), {"tensor_parallel_size": 8}, "tensor_parallel_size=8 "),
+            (str(checkpoint.path), {"num_kvcache_blocks": 1}, "less than one request"),
         ):
             with pytest.raises(ValueError, match=error):
                 jaxllm.generate([[1, 2, 3]], params, model=model, **bad)

@@ -120,6 +120,7 @@ def test_chat_flags_and_template_arguments_are_checked(text_llm, settings, messa
         "{{ raise_exception('roles must alternate') }}",  # how a template refuses a conversation
         "{% for message in messages %}",  # a syntax error
         "{{ messages | no_such_filter }}",
+        "{{ messages[0].content + 1 }}",  # a TypeError inside the template
     ],
 )
 def test_a_failing_chat_template_is_a_value_error(template, text_llm):

@@ -384,6 +384,7 @@ def test_a_bad_word_of_whitespace_is_refused_before_any_work(llm, checkpoint):
 OUTSIDE_THE_VOCABULARY = {
     "logit_bias": (dict(logit_bias={3: 1.0, VOCAB_SIZE: 2.0}), VOCAB_SIZE),
     "allowed_token_ids": (dict(allowed_token_ids=[4, VOCAB_SIZE + 5]), VOCAB_SIZE + 5),
+    "stop_token_ids": (dict(stop_token_ids=[4, VOCAB_SIZE + 1]), VOCAB_SIZE + 1),  # never stops
 }
 
 
