@@ -257,7 +257,8 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             num_blocks = config.num_kvcache_blocks or fit_num_blocks(
                 config, model_config, scratch, largest, platform, memory, params_bytes, per_block
             )
-        check_room(num_blocks, config)
+        if not config.num_kvcache_blocks:  # NOTE: a given count is checked with the settings
+            check_room(num_blocks, config)
         load = functools.partial(load_params, path, dtype=dtype, seed=config.seed, mesh=mesh)
         # NOTE: with several processes the weights are placed by collectives across them, which
         # each process runs on its main thread, before anything else. Under TP with custom
