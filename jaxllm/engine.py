@@ -75,11 +75,13 @@ class Engine:
         """A request, validated but not queued (`add` queues it); changes nothing else.
 
         Raises:
-            ValueError: a token id outside the vocabulary, logprobs above max_logprobs or
-                the vocabulary, an invalid structured output, or a request the scheduler refuses
+            ValueError: truncate_prompt_tokens above max_model_len, a token id outside the
+                vocabulary (of the prompt as truncated), logprobs above max_logprobs or the
+                vocabulary, an invalid structured output, or a request the scheduler refuses
                 (`Scheduler.new_sequence`).
             ImportError: structured outputs without llguidance installed.
         """
+        prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens)
         vocab = self.runner.config.vocab_size
         bad = next((token for token in prompt_token_ids if not 0 <= token < vocab), None)
         if bad is not None:
@@ -98,6 +100,17 @@ class Engine:
             seq.parent = seqs[0] if index else None
             seqs.append(seq)
         return Request(seqs, prompt, RequestMetrics(arrival_time=0.0))
+
+    def _truncated(self, prompt_token_ids, keep: int | None):
+        """The prompt's last `keep` tokens (`SamplingParams.truncate_prompt_tokens`)."""
+        if keep is None:
+            return prompt_token_ids
+        limit = self.scheduler.config.max_model_len
+        if keep > limit:
+            raise ValueError(
+                f"SamplingParams.truncate_prompt_tokens={keep} is more than max_model_len={limit}"
+            )
+        return prompt_token_ids[-(limit - 1 if keep == -1 else keep) :]
 
     def _check_params(self, params: SamplingParams) -> tuple[tuple[tuple[int, ...], ...], bool]:
         """The token ids of the bad words, and whether logits processors apply (min_tokens: when

@@ -144,6 +144,9 @@ class SamplingParams:
             it completes, before min_tokens if so.
         extra_args: the request's metadata for custom code (vLLM's name), e.g. a priority, a
             session or a tenant; eviction policies read it (`cache.eviction.BlockInfo`).
+        truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's left truncation):
+            the output's prompt_token_ids are those; -1 keeps as many as max_model_len allows
+            (one fewer, so that one token can follow). More than max_model_len is refused.
 
     Raises:
         ValueError: a value of the wrong type or outside its range, naming the field.
@@ -173,6 +176,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None
     # NOTE: set by the engine (never by users) so that an unseeded request still draws from a
     # stream of its own; excluded from equality so user-visible params compare as expected.
     _derived_seed: int | None = field(default=None, repr=False, compare=False)
@@ -335,5 +339,10 @@ _CHECKS: dict[str, Check] = {
         lambda value: value if isinstance(value, dict) else None,
         lambda args: all(isinstance(key, str) for key in args),
         "None or a dict with string keys",
+    ),
+    "truncate_prompt_tokens": (
+        as_int,
+        lambda k: k >= 1 or k == -1,
+        "None, -1 (as many as max_model_len allows) or an integer >= 1",
     ),
 }

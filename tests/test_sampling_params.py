@@ -72,6 +72,9 @@ INVALID = [
     ("seed", 1.0),
     ("seed", "42"),
     ("seed", True),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 8.0),
 ]
 
 
@@ -95,6 +98,8 @@ VALID = [
     {"seed": 2**63},
     {"seed": 2**64 - 1},
     {"skip_special_tokens": False},
+    {"truncate_prompt_tokens": 1},
+    {"truncate_prompt_tokens": -1},
 ]
 
 

@@ -170,6 +170,38 @@ def test_prompt_forms(llm):
     assert tokens_output.outputs[0].token_ids == expected
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, text_llm):
+    tokens = list(range(3, 43))
+    params = greedy_params(4)
+    (whole,) = llm.generate([tokens[-8:]], params, use_tqdm=False)
+
+    (output,) = llm.generate([tokens], greedy_params(4, truncate_prompt_tokens=8))
+
+    assert output.prompt_token_ids == tokens[-8:]
+    assert output.token_ids == whole.token_ids
+    # -1: as many as max_model_len leaves room for one token after.
+    limit = llm.engine.scheduler.config.max_model_len
+    long_prompt = list(np.arange(limit + 30) % 200 + 3)
+    (longest,) = llm.generate([long_prompt], greedy_params(4, truncate_prompt_tokens=-1))
+    assert longest.prompt_token_ids == long_prompt[-(limit - 1) :]
+    assert len(longest.token_ids) == 1
+    # A text prompt is truncated after tokenizing; the output keeps the text.
+    text = "The capital of France is Paris, and the capital of Italy is"
+    ids = text_llm.tokenizer.encode(text)
+    (truncated,) = text_llm.generate(text, greedy_params(3, truncate_prompt_tokens=5))
+    assert (truncated.prompt, truncated.prompt_token_ids) == (text, ids[-5:])
+
+
+def test_truncate_prompt_tokens_above_max_model_len_is_refused_before_any_work(llm):
+    limit = llm.engine.scheduler.config.max_model_len
+    params = [greedy_params(2), greedy_params(2, truncate_prompt_tokens=limit + 1)]
+    with pytest.raises(ValueError, match=rf"prompt 1: .*truncate_prompt_tokens={limit + 1} "):
+        llm.generate([[5, 6], [7, 8]], params, use_tqdm=False)
+    assert_idle(llm)
+    (output,) = llm.generate([[7, 8]], greedy_params(2, truncate_prompt_tokens=limit))
+    assert output.prompt_token_ids == [7, 8]
+
+
 def test_save_round_trip(llm, greedy_prompts, greedy_reference, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     llm.save("~/saved")
