@@ -77,6 +77,8 @@ def llguidance_grammar(llguidance, params, lltokenizer) -> str:
         if kind == "json":
             options = {"whitespace_flexible": not params.disable_any_whitespace}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, options)
+        elif kind == "choice":
+            grammar = llguidance.LLMatcher.grammar_from_lark(choice_lark(json.loads(text)))
         else:
             grammar = llguidance.grammar_from(kind, text)
         error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
@@ -86,6 +88,13 @@ def llguidance_grammar(llguidance, params, lltokenizer) -> str:
         field = "json_object" if params.json_object else kind
         raise ValueError(f"StructuredOutputsParams.{field} is invalid: {error.strip()}")
     return grammar
+
+
+def choice_lark(choices: list[str]) -> str:
+    """A Lark grammar of one of `choices`: one terminal, which llguidance's lexer matches.
+    NOTE: not a rule of one alternative each (llguidance's `grammar_from("choice")`), whose
+    parser refuses, while it runs, a row of more than 2,000 items."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
 class LLGuidance:

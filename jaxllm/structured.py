@@ -109,8 +109,11 @@ class SequenceGrammar:
     @property
     def error(self) -> str | None:
         """Why the matcher failed (a token it refused, a grammar too complex for its lexer),
-        or None."""
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        or None: the first line of the library's error, which goes on with its state and the
+        whole grammar."""
+        if not self.matcher.is_error():
+            return None
+        return (self.matcher.get_error() or "no reason given").strip().partition("\n")[0]
 
     @property
     def speculates(self) -> bool:
