@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import os
 import sys
 from pathlib import Path
@@ -52,7 +53,12 @@ def _main(argv: list[str] | None) -> int:
         )
         for flag, kind in (("--temperature", float), ("--top-p", float), ("--max-tokens", int)):
             sub.add_argument(flag, type=kind, default=None, help=MODEL_DEFAULT)
-        sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument(
+            "--seed",
+            type=int,
+            default=None,
+            help="reproducible sampling: prompt i samples with seed SEED + i",
+        )
         sub.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
         constraint = sub.add_mutually_exclusive_group()
         constraint.add_argument(
@@ -75,9 +81,17 @@ def _main(argv: list[str] | None) -> int:
                 help="Qwen3's thinking mode (default: the chat template's, on)",
             )
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if arg.startswith("-")]
+    if unknown:
+        args.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.prompts += rest  # prompts after flags; not after --choice, whose values they extend
     if args.choice and not args.prompts:  # NOTE: --choice's values run to the next flag
         args.error("no prompt: put the prompts before --choice")
+    for name, texts in (("prompt", args.prompts), ("--choice", args.choice or ())):
+        for text in texts:
+            if not _is_utf8(text):
+                args.error(f"{name} {text!r} is not UTF-8 text")
     if args.disable_any_whitespace and args.json_schema is None:
         args.error("--disable-any-whitespace applies to --json-schema only")
 
@@ -89,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         structured = None
         if any(kind is not None for kind in (args.json_schema, args.regex, args.choice)):
-            schema = None if args.json_schema is None else Path(args.json_schema).read_text()
+            schema = None if args.json_schema is None else _read_schema(args.json_schema)
             structured = StructuredOutputsParams(
                 json=schema,
                 regex=args.regex,
@@ -97,10 +111,10 @@ def _main(argv: list[str] | None) -> int:
                 disable_any_whitespace=args.disable_any_whitespace,
             )
             grammars.check(structured)
-        flags = {n: getattr(args, n) for n in ("temperature", "top_p", "max_tokens", "seed")}
+        flags = {n: getattr(args, n) for n in ("temperature", "top_p", "max_tokens")}
         flags = {n: v for n, v in flags.items() if v is not None}
         flags |= dict(ignore_eos=args.ignore_eos, structured_outputs=structured)
-        SamplingParams(**flags)
+        SamplingParams(**flags, seed=args.seed)
     except (ImportError, OSError, ValueError) as error:
         args.error(str(error))
     kwargs = {"tensor_parallel_size": args.tp, "compile_at_startup": args.compile_at_startup}
@@ -115,6 +129,8 @@ def _main(argv: list[str] | None) -> int:
     # NOTE: what the engine refuses, it refuses before any work (a prompt too long).
     try:
         params = dataclasses.replace(llm.get_default_sampling_params(), **flags)
+        if args.seed is not None:
+            params = [dataclasses.replace(params, seed=args.seed + i) for i in range(len(prompts))]
         if args.command == "generate":
             outputs = llm.generate(prompts, params)
         else:
@@ -122,10 +138,36 @@ def _main(argv: list[str] | None) -> int:
             outputs = llm.chat(conversations, params, enable_thinking=args.enable_thinking)
     except (ImportError, ValueError) as error:
         args.error(str(error))
+    if isinstance(sys.stdout, io.TextIOWrapper):  # text the terminal cannot show, escaped
+        sys.stdout.reconfigure(errors="backslashreplace")
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"\n=== {prompt!r}\n{output.text}")
         print(f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}")
     return 0
+
+
+def _read_schema(path: str) -> str:
+    """--json-schema's file as text (UTF-8, a byte-order mark dropped).
+
+    Raises:
+        OSError: it cannot be read. ValueError: it is not UTF-8, naming the file.
+    """
+    try:
+        return Path(path).read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--json-schema {path} is not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether an argument decoded to text (Python keeps bytes that are not UTF-8 as lone
+    surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

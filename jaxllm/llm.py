@@ -341,6 +341,8 @@ class LLM:
         for index, ((text, tokens), param) in enumerate(zip(parsed, params, strict=True)):
             if tokens is None:
                 tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if not tokens:
+                    raise ValueError(f"prompt {index}: the prompt is empty text, of no tokens")
             try:
                 requests.append(self.engine.new_request(tokens, param, prompt=text))
             except ValueError as error:

@@ -6,6 +6,7 @@ the same code with a smaller ladder (fewer buckets to compile) and fewer tokens.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -166,6 +167,51 @@ def test_prompts_after_choice_are_refused_not_taken_as_choices(capsys, monkeypat
     error = capsys.readouterr().err
     assert "put the prompts before --choice" in error
     assert error.startswith("usage: python -m jaxllm generate")
+
+
+def test_prompts_after_flags_and_a_seed_per_prompt(capsys):
+    """Prompts may follow the flags; with --seed, prompt i samples with seed + i: equal
+    prompts differ, and a second run repeats the first."""
+    argv = ["generate", "A", *SMALL, "--temperature", "1", "--top-p", "1", "--max-tokens", "6"]
+    argv += ["--ignore-eos", "--seed", "5", "A"]
+    runs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        runs.append(completions(capsys.readouterr().out))
+    assert runs[0] == runs[1]
+    (first, _), (second, _) = runs[0]
+    assert first != second
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["A\udcff"], "prompt 'A\\udcff' is not UTF-8 text"),
+        (["A", "--choice", "a", "\udcff"], "--choice '\\udcff' is not UTF-8 text"),
+        (["A", "--json-schema", "latin-1.json"], "latin-1.json is not UTF-8 text (invalid"),
+    ],
+)
+def test_text_that_is_not_utf8_exits_naming_it(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin-1.json").write_bytes('{"enum": ["é"]}'.encode("latin-1"))
+    monkeypatch.setattr("jaxllm.llm.LLM", engine_must_not_start)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_schema_file_with_a_byte_order_mark_and_output_the_terminal_cannot_encode(
+    monkeypatch, tmp_path
+):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_bytes('{"enum": ["é"]}'.encode("utf-8-sig"))
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr("sys.stdout", out)
+    assert main(["generate", "A", *SMALL, "--json-schema", str(schema)]) == 0
+    out.flush()
+    assert '"\\xe9"' in out.buffer.getvalue().decode("ascii")
 
 
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):

@@ -17,7 +17,7 @@ GOOD_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 # name -> (generate's arguments, the error's type, a pattern of its message)
 BAD_CALLS = {
-    "empty text prompt": (([""],), ValueError, "prompt 0: the prompt is empty"),
+    "empty text prompt": (([""],), ValueError, "prompt 0: the prompt is empty text, of no "),
     "empty token prompt": (([GOOD_PROMPT, []],), ValueError, "prompt 1: the prompt is empty"),
     "prompt of max_model_len tokens": (
         ([[1] * MAX_MODEL_LEN],),
