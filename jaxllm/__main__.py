@@ -88,10 +88,10 @@ def _main(argv: list[str] | None) -> int:
     args.prompts += rest  # prompts after flags; not after --choice, whose values they extend
     if args.choice and not args.prompts:  # NOTE: --choice's values run to the next flag
         args.error("no prompt: put the prompts before --choice")
-    for name, texts in (("prompt", args.prompts), ("--choice", args.choice or ())):
-        for text in texts:
-            if not _is_utf8(text):
-                args.error(f"{name} {text!r} is not UTF-8 text")
+    texts = [("prompt", prompt) for prompt in args.prompts] + [("--regex", args.regex or "")]
+    for name, text in texts + [("--choice", choice) for choice in args.choice or ()]:
+        if not _is_utf8(text):
+            args.error(f"{name} {text!r} is not UTF-8 text")
     if args.disable_any_whitespace and args.json_schema is None:
         args.error("--disable-any-whitespace applies to --json-schema only")
 

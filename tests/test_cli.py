@@ -188,6 +188,7 @@ def test_prompts_after_flags_and_a_seed_per_prompt(capsys):
     [
         (["A\udcff"], "prompt 'A\\udcff' is not UTF-8 text"),
         (["A", "--choice", "a", "\udcff"], "--choice '\\udcff' is not UTF-8 text"),
+        (["A", "--regex", "a\udcff"], "--regex 'a\\udcff' is not UTF-8 text"),
         (["A", "--json-schema", "latin-1.json"], "latin-1.json is not UTF-8 text (invalid"),
     ],
 )
