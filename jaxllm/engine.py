@@ -233,9 +233,12 @@ class Engine:
 
     def _require_idle(self, what: str) -> None:
         """Raises RuntimeError while a sequence is live; else drops what is left in flight (a
-        step planned before the last sequence stopped: its tokens change nothing)."""
+        step planned before the last sequence stopped: its tokens change nothing) and a plan
+        made ahead and never run, with the prefix cache, which holds its blocks unwritten."""
         if self.scheduler.has_unfinished():
             raise RuntimeError(f"{what} while requests are running: finish or abort them first")
+        if self._next_plan is not None:
+            self.scheduler.reset()
         self._in_flight = self._next_plan = None
 
     def has_request(self, request_id: int) -> bool:

@@ -113,8 +113,10 @@ class SamplingParams:
             as eos).
         include_stop_str_in_output: the text keeps the stop string, or the stop token's
             text, that ended it (vLLM's meaning); streamed text is then not held back.
-        seed: makes this request's samples reproducible, whatever else is in the batch.
-            Range [0, 2**64); -1 means None (vLLM's).
+        seed: makes this request's samples reproducible: its random draws are the same
+            whatever else is in the batch. Its logits may round differently with the batch's
+            shape (kernels and their sums differ), in bfloat16 enough to flip a near tie, as
+            in vLLM. Range [0, 2**64); -1 means None (vLLM's).
         skip_special_tokens: drop special tokens when decoding the text.
         detokenize: False leaves the text empty and logprobs' tokens unnamed (decoded_token
             None), as in vLLM; stop strings need the text.

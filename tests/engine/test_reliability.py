@@ -198,6 +198,26 @@ def test_a_stream_closed_while_another_thread_runs_the_engine_never_waits(
     assert_idle(llm)
 
 
+def test_a_plan_made_ahead_and_dropped_leaves_no_unwritten_block_cached(
+    llm, greedy_prompts, greedy_reference
+):
+    """A constrained step plans the next one while its masks fill (`Engine._masks`); a Ctrl-C
+    then aborts the call with that plan made, its prompt blocks entered in the prefix cache but
+    never written. A refused `update_params`, which drops the plan, must not leave them there."""
+    engine, prompt = llm.engine, greedy_prompts[-1]
+    engine.add(engine.new_request(prompt, greedy_params()))
+    engine._next_plan = engine.scheduler.schedule()  # as `_masks` plans, never run
+    assert engine._next_plan.is_prefill
+    engine.abort(max(engine._requests))
+    with pytest.raises(ValueError):
+        llm.update_params({"not": "weights"})
+
+    (output,) = llm.generate([prompt], greedy_params(), use_tqdm=False)
+
+    assert output.token_ids == greedy_reference[-1]
+    assert_idle(llm)
+
+
 def test_a_failed_step_resets_the_engine(make_llm, greedy_prompts, greedy_reference):
     llm = make_llm(max_num_seqs=4)
     prompts, reference = greedy_prompts[:NUM_PROMPTS], greedy_reference[:NUM_PROMPTS]
