@@ -98,7 +98,8 @@ class SamplingParams:
             Range [0, inf).
         top_k: keep the k most likely tokens; 0 (or -1) keeps all.
         top_p: keep the smallest set of tokens whose probability, among those min-p and top-k
-            keep, reaches top_p. Range (0, 1].
+            keep, reaches top_p, and every token tied with its least likely one (vLLM keeps
+            those its sort puts first). Range (0, 1].
         min_p: drop tokens whose probability is below min_p times the top one (before top-k
             and top-p, as vLLM). Range [0, 1].
         max_tokens: generate at most this many tokens (64 by default, where vLLM's is 16).
