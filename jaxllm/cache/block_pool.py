@@ -195,7 +195,7 @@ class BlockPool:
             self._metadata[block_id] = metadata
             self._holder_blocks[block_id] = len(block_table)
             if refs[block_id] == 0:
-                if self._hashes[block_id] is not None and self.policy.admit(block_id):
+                if self._hashes[block_id] is not None and self._admits(block_id):
                     self.policy.on_free(block_id)
                     self._check_policy("on_free", block_id, evictable=True)
                     continue
@@ -220,11 +220,13 @@ class BlockPool:
         block_hashes: Sequence[int],
         first: int,
         last: int,
+        metadata: Mapping | None = None,
     ) -> None:
         """Enters the full, computed blocks `first` .. `last - 1` of a table (referenced by it
         alone) into the cache. Where an identical block is already cached (one prefix computed
         twice in a step) the table switches to it in place and its own copy returns to the empty
-        list; after a collision (another block owns the hash) the rest stays uncached."""
+        list; after a collision (another block owns the hash) the rest stays uncached.
+        `metadata`: the holder's (`BlockInfo.metadata`), as `on_cache` sees it."""
         if not self.enable_prefix_caching or first >= last:
             return
         if first == 0:
@@ -246,6 +248,8 @@ class BlockPool:
                 self._tokens[block_id] = tokens
                 self._hash_to_block[block_hash] = block_id
                 self._num_hits[block_id], self._positions[block_id] = 0, index
+                self._metadata[block_id] = NO_METADATA if metadata is None else metadata
+                self._holder_blocks[block_id] = len(block_table)
                 self.policy.on_cache(block_id)
             elif owner != block_id:
                 if self._tokens[owner] != tokens or self._parent_keys[owner] != parent_key:
@@ -315,6 +319,14 @@ class BlockPool:
             self._ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
+
+    def _admits(self, block_id: int) -> bool:
+        """The policy's `admit`, which must say True or False (None is no answer)."""
+        admitted = self.policy.admit(block_id)
+        if not isinstance(admitted, bool | np.bool_):
+            name = type(self.policy).__name__
+            raise RuntimeError(f"{name}.admit({block_id}) returned {admitted!r}, not a bool")
+        return bool(admitted)
 
     def _reference(self, block_id: int) -> None:
         """One more reference to a cached block, a prefix hit (no longer evictable)."""

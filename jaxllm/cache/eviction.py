@@ -22,12 +22,13 @@ class BlockInfo:
     """What the pool knows of a cached block (`EvictionPolicy.info`).
 
     Attributes:
-        metadata: `SamplingParams.extra_args` of the request that last held it ({} if none).
+        metadata: `SamplingParams.extra_args` of the request that last held it ({} if none):
+            in `on_cache` the one that filled it, in `on_hit` the one before the hit.
         time: the pool's clock now: wall seconds in the engine, simulated ones in the simulator.
         num_hits: prefix hits on it since it was cached.
         position: its index in its prefix: `position * block_size` tokens come before it.
         holder_blocks: the blocks of the request that last held it (a longer request costs
-            more to compute again).
+            more to compute again); in `on_cache`, those it holds so far.
     """
 
     metadata: Mapping[str, Any]

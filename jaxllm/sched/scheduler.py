@@ -248,9 +248,9 @@ class Scheduler:
         first, last = start // size, end // size
         if not self.config.enable_prefix_caching or last <= first:
             return
-        token_ids = seq.token_ids[:end]
-        extend_block_hashes(seq.block_hashes, token_ids, size)
-        self.block_pool.cache_blocks(seq.block_table, token_ids, seq.block_hashes, first, last)
+        tokens, hashes, table = seq.token_ids[:end], seq.block_hashes, seq.block_table
+        extend_block_hashes(hashes, tokens, size)
+        self.block_pool.cache_blocks(table, tokens, hashes, first, last, seq.params.extra_args)
 
     def _schedule_prefill(self) -> tuple | None:
         """("prefill", seqs, counts) of the step's prefill chunks, or None."""

@@ -58,6 +58,39 @@ def test_a_policy_sees_metadata_time_hits_and_position():
     pool.check_integrity([])
 
 
+def test_on_cache_sees_the_request_that_filled_the_block():
+    """A block freed by one request and filled by the next: `on_cache` reads the filler's
+    metadata and blocks, not those of the request before (the simulator runs the scheduler)."""
+
+    class OnCache(LRUPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[dict, int]] = []
+
+        def on_cache(self, block_id: int) -> None:
+            info = self.info(block_id)
+            self.seen.append((dict(info.metadata), info.holder_blocks))
+
+    requests = [
+        w.Request(np.arange(20), 1, metadata={"tenant": "a"}),
+        w.Request(np.arange(100, 140), 1, metadata={"tenant": "b"}),
+    ]
+    config = make_config(requests, 4, block_size=16, max_num_seqs=1, prefill_tile=16)
+    policy = OnCache()
+    simulate(requests, config, policy)
+    assert policy.seen == [({"tenant": "a"}, 2), ({"tenant": "b"}, 3), ({"tenant": "b"}, 3)]
+
+
+def test_an_admit_that_answers_none_is_named():
+    class Forgetful(LRUPolicy):
+        def admit(self, block_id: int):  # a forgotten `return True`
+            super().admit(block_id)
+
+    pool = BlockPool(8, BLOCK, eviction_policy=Forgetful())
+    with pytest.raises(RuntimeError, match=r"Forgetful\.admit\(\d\) returned None, not a bool"):
+        pool.free(cached_table(pool, list(range(8))))
+
+
 def test_a_block_not_admitted_is_forgotten():
     pool = BlockPool(8, BLOCK, eviction_policy=Recording(keep=False))
     prompt = list(range(8))
