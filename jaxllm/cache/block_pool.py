@@ -13,6 +13,7 @@ collisions notwithstanding.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import types
@@ -94,18 +95,14 @@ class BlockPool:
             )
         self.policy.pool = self
         self.clock = clock
-        self._keys = [0] * num_blocks
-        self._parent_keys = [0] * num_blocks
+        self._keys, self._parent_keys = [0] * num_blocks, [0] * num_blocks
         # What policies see of a cached block (`block_info`).
         self._metadata: list[Mapping] = [NO_METADATA] * num_blocks
-        self._num_hits = [0] * num_blocks
-        self._positions = [0] * num_blocks
+        self._num_hits, self._positions = [0] * num_blocks, [0] * num_blocks
         self._holder_blocks = [0] * num_blocks
         self._clear()
         self._new_keys = itertools.count(ROOT_KEY + 1)
-        self._num_queried_tokens = 0
-        self._num_hit_tokens = 0
-        self._num_evictions = 0
+        self._num_queried_tokens = self._num_hit_tokens = self._num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -262,15 +259,24 @@ class BlockPool:
 
     def reset(self) -> None:
         """Makes every block empty and forgets every cached prefix, whatever the ref counts said
-        (`Scheduler.reset`: no sequence holds a block, or none can be trusted to), even where
-        the policy, told of each cached block's eviction (a held one freed first), raises."""
-        try:
-            for block_id in (b for b in range(self.num_blocks) if self._hashes[b] is not None):
+        (`Scheduler.reset`: no sequence holds a block, or none can be trusted to). The policy is
+        told of each cached block's eviction (a held one freed first); where a hook raises, the
+        others are told still, a block it kept is evicted once more, and the first error is
+        raised (the pool reset)."""
+        errors = []
+        for block_id in (b for b in range(self.num_blocks) if self._hashes[b] is not None):
+            try:
                 if block_id not in self.policy:
                     self.policy.on_free(block_id)
                 self.policy.on_evict(block_id)
-        finally:
-            self._clear()
+            except Exception as error:  # NOTE: a researcher's policy: any
+                errors.append(error)
+        for block_id in (b for b in range(self.num_blocks) if errors and b in self.policy):
+            with contextlib.suppress(Exception):
+                self.policy.on_evict(block_id)
+        self._clear()
+        if errors:
+            raise errors[0]
 
     def _clear(self) -> None:
         """Every block empty: no reference, no entry."""

@@ -219,3 +219,29 @@ def test_reset_tells_the_policy_of_every_cached_block_held_or_free():
     pool.reset()
     assert not policy.known and len(policy) == 0
     assert state(pool) == (0, 0, 8) and held == [0, 1]
+
+
+def test_a_policy_that_raises_as_the_pool_resets_is_told_of_every_block_still():
+    """One failed `on_evict` must not leave the policy holding blocks the pool forgot: they
+    would come back as victims that are in use."""
+
+    class FailsOnce(LRUPolicy):
+        failed = False
+
+        def on_evict(self, block_id):
+            if not self.failed:
+                self.failed = True
+                raise KeyError(block_id)
+            super().on_evict(block_id)
+
+    policy = FailsOnce()
+    pool = make_pool(4, eviction_policy=policy)
+    for k in range(3):
+        pool.free(compute(pool, [10 * k + i for i in range(4)]))
+    with pytest.raises(KeyError):
+        pool.reset()
+    assert len(policy) == 0 and state(pool) == (0, 0, 4)
+    tables = [compute(pool, [50 + 10 * k + i for i in range(4)]) for k in range(4)]
+    pool.free(tables[0])
+    assert pool.allocate([], 1) == tables[0]  # an eviction, of a free block
+    pool.check_integrity(tables)
