@@ -33,19 +33,27 @@ def _int_list(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item]
 
 
-def _policy(spec: str) -> str | type[EvictionPolicy]:
+def policy_from_spec(spec: str) -> str | type[EvictionPolicy]:
     """A policy name, or "module:Class" for a policy class of your own (the module found from
-    the current directory too)."""
-    if ":" not in spec:
-        return spec
-    import importlib
+    the current directory too), checked to make a policy.
 
-    if os.getcwd() not in sys.path:  # NOTE: a script's own folder is on it, not the caller's
-        sys.path.append(os.getcwd())
-    module, name = spec.split(":", 1)
-    policy = getattr(importlib.import_module(module), name)
-    if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
-        raise ValueError(f"{spec} is not an EvictionPolicy subclass")
+    Raises:
+        ValueError, ImportError, AttributeError: naming what cannot be made.
+    """
+    policy: str | type = spec
+    if ":" in spec:
+        import importlib
+
+        if os.getcwd() not in sys.path:  # NOTE: a script's own folder is on it, not the caller's
+            sys.path.append(os.getcwd())
+        module, name = spec.split(":", 1)
+        policy = getattr(importlib.import_module(module), name)
+        if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+            raise ValueError(f"{spec} is not an EvictionPolicy subclass")
+    try:
+        make_policy(policy) if isinstance(policy, str) else policy()
+    except TypeError as error:  # an abstract class, or one that takes arguments
+        raise ValueError(f"{policy.__name__}() cannot be made: {error}") from None
     return policy
 
 
@@ -105,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         smallest = dataclasses.replace(config, num_blocks=min(sizes))
         for request in requests:  # each fits the smallest cache and max_model_len
             smallest.check_request(request.prompt_token_ids, request.max_tokens)
-        policies = [_policy(name) for name in args.policies.split(",") if name]
-        for policy in policies:
-            try:
-                make_policy(policy) if isinstance(policy, str) else policy()
-            except TypeError as error:  # an abstract class, or one that takes arguments
-                raise ValueError(f"{policy.__name__}() cannot be made: {error}") from None
+        policies = [policy_from_spec(name) for name in args.policies.split(",") if name]
     except (ValueError, ImportError, AttributeError, OSError) as error:
         parser.error(str(error))
     print(

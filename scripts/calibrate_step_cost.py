@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cache_sim import policy_from_spec  # scripts/cache_sim.py
+
 from jaxllm.research import calibrate
 from jaxllm.research.cache_sim import format_table, make_config, simulate
 from jaxllm.research.cost_model import H200_QWEN3_0_6B, StepCostModel
@@ -176,7 +178,8 @@ def run_simulate(args: argparse.Namespace) -> dict:
         prefill_tile=args.prefill_tile,
     )
     config = dataclasses.replace(config, num_scheduler_steps=args.num_scheduler_steps)
-    result = simulate(requests, config, args.policy, arrival="time", cost_model=model)
+    policy = args.policy() if isinstance(args.policy, type) else args.policy
+    result = simulate(requests, config, policy, arrival="time", cost_model=model)
     print(format_table([result]))
     print(
         f"{len(requests)} requests: loaded in {load_seconds:.1f} s, simulated in "
@@ -211,11 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     settings.add_argument("--max-num-batched-tokens", type=int, default=16384)
     settings.add_argument("--prefill-tile", type=int, default=128)
     settings.add_argument("--num-scheduler-steps", type=int, default=1)
-    settings.add_argument("--policy", default="lru")
+    settings.add_argument("--policy", default="lru", help="a name, or module:Class")
     add_trace_source_arguments(sim)
     for command in (measure, replay, sim):
         command.add_argument("--json", default=None, help="write the record here")
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        try:
+            args.policy = policy_from_spec(args.policy)
+        except (ValueError, ImportError, AttributeError) as error:
+            parser.error(str(error))
     run = {"measure": run_measure, "replay": run_replay, "simulate": run_simulate}
     record = run[args.command](args)
     if args.command != "simulate":

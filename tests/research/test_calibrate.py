@@ -115,3 +115,18 @@ def test_script_calibrates_and_replays_on_the_tiny_model(tmp_path):
     }
     assert replay["fit"]["all"]["steps"] > 20
     assert replay["engine_steps"] > 0 and replay["simulator_steps"] > 0
+
+
+def test_script_simulate_takes_a_policy_class_and_refuses_an_unknown_one(tmp_path):
+    (tmp_path / "my_policies.py").write_text(
+        "from jaxllm.cache import LRUPolicy\n\nclass Mine(LRUPolicy):\n    name = 'mine'\n"
+    )
+    script = str(ROOT / "scripts" / "calibrate_step_cost.py")
+    trace = ["--num-requests=6", "--num-prefixes=2", "--hash-block-size=16", "--block-size=16"]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    for policy, code in (("my_policies:Mine", 0), ("no-such-policy", 2)):
+        argv = [sys.executable, script, "simulate", *trace, f"--policy={policy}"]
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert result.returncode == code, result.stderr[-2000:]
+        assert ("mine" in result.stdout) if code == 0 else "no-such-policy" in result.stderr
+        assert "Traceback" not in result.stderr
