@@ -260,21 +260,22 @@ class BlockPool:
     def reset(self) -> None:
         """Makes every block empty and forgets every cached prefix, whatever the ref counts said
         (`Scheduler.reset`: no sequence holds a block, or none can be trusted to). The policy is
-        told of each cached block's eviction (a held one freed first); where a hook raises, the
-        others are told still, a block it kept is evicted once more, and the first error is
-        raised (the pool reset)."""
+        told of each cached block's eviction (a held one freed first); where a hook raises, it
+        is told of the others and evicts what it kept once more, then the first error is raised."""
         errors = []
-        for block_id in (b for b in range(self.num_blocks) if self._hashes[b] is not None):
-            try:
-                if block_id not in self.policy:
-                    self.policy.on_free(block_id)
-                self.policy.on_evict(block_id)
-            except Exception as error:  # NOTE: a researcher's policy: any
-                errors.append(error)
-        for block_id in (b for b in range(self.num_blocks) if errors and b in self.policy):
-            with contextlib.suppress(Exception):
-                self.policy.on_evict(block_id)
-        self._clear()
+        try:
+            for block_id in (b for b in range(self.num_blocks) if self._hashes[b] is not None):
+                try:
+                    if block_id not in self.policy:
+                        self.policy.on_free(block_id)
+                    self.policy.on_evict(block_id)
+                except Exception as error:  # NOTE: a researcher's policy: any
+                    errors.append(error)
+            for block_id in (b for b in range(self.num_blocks) if errors and b in self.policy):
+                with contextlib.suppress(Exception):
+                    self.policy.on_evict(block_id)
+        finally:
+            self._clear()
         if errors:
             raise errors[0]
 
@@ -328,11 +329,10 @@ class BlockPool:
 
     def _admits(self, block_id: int) -> bool:
         """The policy's `admit`, which must say True or False (None is no answer)."""
-        admitted = self.policy.admit(block_id)
-        if not isinstance(admitted, bool | np.bool_):
-            name = type(self.policy).__name__
-            raise RuntimeError(f"{name}.admit({block_id}) returned {admitted!r}, not a bool")
-        return bool(admitted)
+        if isinstance(admitted := self.policy.admit(block_id), bool | np.bool_):
+            return bool(admitted)
+        name = type(self.policy).__name__
+        raise RuntimeError(f"{name}.admit({block_id}) returned {admitted!r}, not a bool")
 
     def _reference(self, block_id: int) -> None:
         """One more reference to a cached block, a prefix hit (no longer evictable)."""
