@@ -53,7 +53,9 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
     tree: dict[tuple[str, ...], Any] = {}
     fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
     for name, tensor in expected.items():
-        array = jnp.asarray(_from_torch(named[name]))
+        array = _from_torch(named[name])
+        # NOTE: a host array is copied (as in `placed_like`), a device array kept where it is.
+        array = jnp.asarray(array if isinstance(array, jax.Array) else np.array(array))
         if array.shape != tensor.hf_shape:
             raise ValueError(
                 f"{name} is {list(array.shape)}; the model's is {list(tensor.hf_shape)}"
@@ -116,7 +118,8 @@ def placed_like(new: Params, current: Params, donate: bool = False) -> Params:
     for (_, leaf), (_, like) in zip(new_leaves, current_leaves, strict=True):
         if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(like.sharding, leaf.ndim):
             leaves.append(leaf)
-        else:
-            donated = donate and isinstance(leaf, jax.Array)
-            leaves.append(jax.device_put(leaf, like.sharding, donate=donated))
+        elif isinstance(leaf, jax.Array):
+            leaves.append(jax.device_put(leaf, like.sharding, donate=donate))
+        else:  # NOTE: copied first: a CPU device may keep the host buffer (`may_alias` or not)
+            leaves.append(jax.device_put(np.array(leaf), like.sharding))
     return jax.tree.unflatten(current_structure, leaves)

@@ -199,6 +199,20 @@ def test_update_params_takes_hugging_face_names(fresh_llm, other_checkpoint, gre
         fresh_llm.update_params(named)
 
 
+def test_host_arrays_are_copied_so_their_owner_may_reuse_them(fresh_llm, other_checkpoint):
+    """numpy leaves, in the model's tree or by Hugging Face names, are copied: a trainer that
+    writes into its host buffers afterwards leaves the engine's weights as they were."""
+    host = jax.tree.map(np.array, fresh_llm.params)
+    state = other_checkpoint.torch_model.state_dict()
+    named = {name: tensor.numpy().copy() for name, tensor in state.items()}
+    for update in (host, named):
+        fresh_llm.update_params(update)
+        served = jax.tree.map(np.array, fresh_llm.params)
+        for leaf in jax.tree.leaves(update):
+            leaf[...] = 0
+        assert jax.tree.all(jax.tree.map(np.array_equal, served, fresh_llm.params))
+
+
 def test_hugging_face_names_are_cast_to_the_models_dtype(fresh_llm, other_checkpoint):
     """A trainer's bfloat16 state dict runs in a float32 engine, as a bfloat16 checkpoint
     loads: each tensor cast; integer tensors are refused, named."""
