@@ -103,18 +103,24 @@ class Qwen3Config:
             raise ValueError("unsupported Qwen3 config: attention_bias=true")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported Qwen3 config: hidden_act={hf['hidden_act']!r}")
-        # NOTE: transformers slides the window over the layers from max_window_layers on.
-        sliding = "sliding_attention" in (hf.get("layer_types") or ()) or (
-            hf.get("use_sliding_window")
-            and (hf.get("max_window_layers") or 0) < hf["num_hidden_layers"]
-        )
+        # NOTE: as transformers reads them: `layer_types`, else a window from max_window_layers on.
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+            num_full = hf.get("max_window_layers", 28)
+            sliding = window is not None and (num_full or 0) < hf["num_hidden_layers"]
+        else:
+            sliding = "sliding_attention" in layer_types
         if sliding:
             raise ValueError("unsupported Qwen3 config: sliding-window attention")
-        # NOTE: transformers 5 writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        # NOTE: as transformers reads them: `rope_scaling` (older configs) before `rope_parameters`.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"unsupported Qwen3 config: rope_type={rope_type!r}")
+        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if rotary != 1:
+            raise ValueError(f"unsupported Qwen3 config: partial_rotary_factor={rotary!r}")
         num_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],

@@ -101,6 +101,39 @@ def test_from_hf_reads_a_window_no_layer_slides():
         assert Qwen3Config.from_hf(HF_CONFIG | window) == PRESETS["qwen3-0.6b"]
 
 
+@pytest.mark.parametrize(
+    ("changes", "plain"),
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, True),
+        ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_theta": 5e5}}, True),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_parameters": {}}, False),
+        ({"partial_rotary_factor": 0.5}, False),
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 20}, False),
+        ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, True),
+        ({"use_sliding_window": True, "layer_types": ["full_attention"] * 28}, True),
+        ({"use_sliding_window": True, "sliding_window": 64}, True),  # max_window_layers: 28 of 28
+    ],
+)  # fmt: skip
+def test_from_hf_reads_rope_and_windows_as_transformers_does(changes, plain):
+    """Where transformers reads plain RoPE over full attention, its theta; else refused (a
+    `rope_scaling` beside `rope_parameters` is the one it reads)."""
+    from transformers import Qwen3Config as HFQwen3Config
+
+    hf = HF_CONFIG | changes
+    reference = HFQwen3Config(**hf)
+    rope = reference.rope_parameters
+    assert plain == (
+        rope["rope_type"] == "default"
+        and rope.get("partial_rotary_factor", 1.0) == 1
+        and set(reference.layer_types) == {"full_attention"}
+    )
+    if plain:
+        assert Qwen3Config.from_hf(hf).rope_theta == rope["rope_theta"]
+    else:
+        with pytest.raises(ValueError, match="unsupported Qwen3 config"):
+            Qwen3Config.from_hf(hf)
+
+
 def test_from_hf_names_a_missing_size_and_a_config_of_another_form(tmp_path):
     without_heads = {k: v for k, v in HF_CONFIG.items() if k != "num_attention_heads"}
     with pytest.raises(ValueError, match=r"config\.json lacks num_attention_heads"):
