@@ -101,12 +101,15 @@ def test_from_hf_reads_a_window_no_layer_slides():
         assert Qwen3Config.from_hf(HF_CONFIG | window) == PRESETS["qwen3-0.6b"]
 
 
+DEFAULT_ROPE = {"rope_type": "default"}
+
+
 @pytest.mark.parametrize(
     ("changes", "plain"),
     [
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, True),
         ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_theta": 5e5}}, True),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_parameters": {}}, False),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_parameters": DEFAULT_ROPE}, False),
         ({"partial_rotary_factor": 0.5}, False),
         ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 20}, False),
         ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, True),
