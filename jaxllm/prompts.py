@@ -17,6 +17,7 @@ engine's check.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -191,11 +192,12 @@ def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:
     """The conversations of one `LLM.chat` call: one (a list of message dicts) or a list of
     them. A message's content is a string, or OpenAI's list of text parts
     ({"type": "text", "text": str}), joined with newlines as vLLM does; None or absent only
-    beside "tool_calls".
+    beside "tool_calls", whose arguments are parsed from JSON (`_tool_call`).
 
     Raises:
         ValueError: an empty conversation, a message that is not a dict with a string "role",
-            or content of another form, naming the conversation and the message.
+            content of another form, or tool call arguments that are not JSON, naming the
+            conversation and the message.
     """
     if not _is_list(messages):
         raise ValueError(f"messages must be a list of message dicts, got {_described(messages)}")
@@ -240,7 +242,27 @@ def _message(message: object, conversation: int, index: int) -> dict[str, Any]:
         raise ValueError(
             f"{where}: 'content' must be a string or a list of text parts, got {shown(content)}"
         )
+    if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+        return message | {"tool_calls": [_tool_call(call, where) for call in message["tool_calls"]]}
     return message
+
+
+def _tool_call(call: object, where: str) -> object:
+    """An assistant's tool call with its function's arguments as a dict, as templates expect
+    them and vLLM passes them: OpenAI's JSON string parsed, None or "" as {}."""
+    if not (isinstance(call, dict) and isinstance(call.get("function"), dict)):
+        return call
+    arguments = call["function"].get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{where}: a tool call's arguments are not JSON ({error}): {shown(arguments)}"
+            ) from None
+    return call | {"function": call["function"] | {"arguments": arguments}}
 
 
 def one_per_prompt(

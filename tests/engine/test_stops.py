@@ -16,6 +16,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.detokenizer import IncrementalDetokenizer, StopStrings, decode_tokens
+from jaxllm.prompts import chat_prompts
 from jaxllm.tokenizer import load_tokenizer, qwen3_tokenizer
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -314,6 +315,30 @@ def test_chat_takes_vllms_arguments(text_llm):
     (none,), (blank,) = (text_llm.chat(h + again, params, False) for h in (history, empty))
     assert none.prompt == blank.prompt
     assert_idle(text_llm)
+
+
+def tool_call_history(arguments) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+
+
+def test_tool_call_arguments_reach_the_template_as_a_dict(text_llm):
+    """OpenAI histories hold a tool call's arguments as a JSON string; as in vLLM, the template
+    gets them parsed (None or "" as {}), the caller's messages unchanged; not JSON is refused."""
+    tokenizer = text_llm.tokenizer
+    (as_dict,) = chat_prompts(tokenizer, tool_call_history({"city": "北京"}))
+    as_string = tool_call_history('{"city":"\\u5317\\u4eac"}')
+    assert chat_prompts(tokenizer, as_string) == [as_dict]
+    assert '"arguments": {"city": "北京"}' in as_dict
+    assert as_string[1]["tool_calls"][0]["function"]["arguments"].startswith('{"city":"\\u')
+    empty = [chat_prompts(tokenizer, tool_call_history(a)) for a in (None, "", {})]
+    assert empty[0] == empty[1] == empty[2] and '"arguments": {}' in empty[0][0]
+    with pytest.raises(ValueError, match="message 1: a tool call's arguments are not JSON"):
+        chat_prompts(tokenizer, tool_call_history('{"city": '))
 
 
 @pytest.mark.parametrize(
