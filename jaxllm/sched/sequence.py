@@ -134,10 +134,12 @@ class Sequence:
 
     def finish_reason_at(self, token: int, last: bool = True) -> FinishReason | None:
         """Why it ends with its newest token `token` (`last`: the last its grammar read), as
-        vLLM decides: a stop token (its text unsearched; on the last token max_tokens allows
-        too), a stop string, max_tokens ("length"), a grammar that admits nothing more; None:
-        it goes on."""
+        vLLM decides: a stop token (on the last token max_tokens allows too; its text searched
+        for stop strings only where it is output, `include_stop_str_in_output`), a stop
+        string, max_tokens ("length"), a grammar that admits nothing more; None: it goes on."""
         if self.stops_at(token):
+            if self.stop_strings is not None and self.params.include_stop_str_in_output:
+                self.stop_strings(token)
             return "stop"
         # NOTE: the stop strings see every other token, so their text stays whole.
         if self.stop_strings is not None and self.stop_strings(token):

@@ -206,7 +206,7 @@ def test_stop_strings(text_llm, text_continuation):
 
 def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuation):
     """As in vLLM: the stop token that ends a completion is in its token ids, not in its text,
-    and no stop string is searched for in its text."""
+    and (so) no stop string is searched for in its text."""
     tokenizer, tokens = text_llm.tokenizer, text_continuation.token_ids
     index = next(
         i
@@ -246,6 +246,32 @@ def test_the_stop_token_is_in_token_ids_not_in_the_text(text_llm, text_continuat
         deltas = list(text_llm.stream("The capital of France is", params))
         assert "".join(delta.text for delta in deltas) == output.text
         assert [token for delta in deltas for token in delta.token_ids] == output.token_ids
+    assert_idle(text_llm)
+
+
+def test_a_stop_tokens_text_is_searched_for_stop_strings_where_it_is_output(text_llm):
+    """As in vLLM: with include_stop_str_in_output, a stop token's text is searched for stop
+    strings too (the stop reason then the string, the text cut after it)."""
+    tokenizer = text_llm.tokenizer
+    [hello], eos = tokenizer.encode(" hello"), tokenizer.eos_token_id
+    hello_stops = {"allowed_token_ids": [hello], "stop_token_ids": [hello], "stop": ["ell"]}
+    eos_stops = {"allowed_token_ids": [eos], "stop": ["<|im_end|>"], "skip_special_tokens": False}
+    cases = [
+        SamplingParams(**hello_stops, include_stop_str_in_output=True),
+        SamplingParams(**eos_stops, include_stop_str_in_output=True),
+        SamplingParams(**hello_stops),
+        SamplingParams(**eos_stops),
+    ]
+    outputs = text_llm.generate(["Hi"] * len(cases), cases, use_tqdm=False)
+
+    assert [(o.token_ids, o.text, o.outputs[0].stop_reason) for o in outputs] == [
+        ([hello], " hell", "ell"),
+        ([eos], "<|im_end|>", "<|im_end|>"),
+        ([hello], "", hello),
+        ([eos], "", None),
+    ]
+    for params, output in zip(cases, outputs, strict=True):
+        assert "".join(delta.text for delta in text_llm.stream("Hi", params)) == output.text
     assert_idle(text_llm)
 
 
@@ -488,8 +514,9 @@ def test_stop_string_completed_by_a_token_that_starts_another_character(tokenize
 
 
 def test_of_stop_strings_in_one_tokens_text_the_one_that_ends_first_stops(tokenizer):
-    """As the text would show them character by character (vLLM's rule): in " hello", "ell"
-    ends before "hello", though it starts after; of two that end alike, the first listed."""
+    """As the text would show them character by character: in " hello", "ell" ends before
+    "hello", though it starts after; of two that end alike, the first listed. (vLLM's
+    `check_stop_strings` takes the first listed that is found: "hello".)"""
     [hello] = tokenizer.encode(" hello")
     assert first_hit(tokenizer, [hello], ["hello", "ell"]) == (1, " h")
     assert first_hit(tokenizer, [hello], ["llo", "hello"]) == (1, " he")
