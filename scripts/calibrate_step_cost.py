@@ -138,16 +138,39 @@ def run_measure(args: argparse.Namespace) -> dict:
     return {"cost_model": model.as_dict(), "fit": report}
 
 
-def run_replay(args: argparse.Namespace) -> dict:
+def read_inputs(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[StepCostModel | None, list[Request]]:
+    """--policy, --cost-model and the trace of `replay` or `simulate`, read before anything
+    runs: a usage error where one is bad."""
+    try:
+        if args.command == "simulate":
+            args.policy = policy_from_spec(args.policy)
+        model = StepCostModel.load(args.cost_model) if args.cost_model else None
+        start = time.perf_counter()
+        requests = trace_requests(args)
+    except (ValueError, ImportError, AttributeError, OSError) as error:
+        parser.error(str(error))
+    args.load_seconds = time.perf_counter() - start
+    return model, requests
+
+
+def run_replay(args: argparse.Namespace, model: StepCostModel | None, requests) -> dict:
     model_name, llm = build_llm(args)
-    if args.cost_model:
-        model, report = StepCostModel.load(args.cost_model), None
+    max_model_len = llm.engine.scheduler.config.max_model_len
+    longest = max(request.num_prompt_tokens for request in requests)
+    if longest >= max_model_len:
+        sys.exit(
+            f"calibrate_step_cost.py: error: the trace's longest prompt has {longest} tokens; "
+            f"max_model_len is {max_model_len} (--max-model-len, or a smaller --hash-block-size)"
+        )
+    if model is not None:
+        report = None
         phase_options = {"decode_steps": args.decode_steps, "repeats": args.repeats}
         calibrate.warm_up(llm.engine, **phase_options)
         progress("warmed up")
     else:
         model, report = fitted_model(args, model_name, llm)
-    requests = trace_requests(args)
     last = max(request.arrival_time or 0.0 for request in requests)
     progress(f"replaying {len(requests)} requests arriving over {last:.1f} s")
     record = calibrate.replay(llm.engine, requests, model) | {"fit": report}
@@ -163,12 +186,8 @@ def run_replay(args: argparse.Namespace) -> dict:
     return record
 
 
-def run_simulate(args: argparse.Namespace) -> dict:
-    model = StepCostModel.load(args.cost_model) if args.cost_model else None
+def run_simulate(args: argparse.Namespace, model: StepCostModel | None, requests) -> dict:
     model = model or H200_QWEN3_0_6B
-    start = time.perf_counter()
-    requests = trace_requests(args)
-    load_seconds = time.perf_counter() - start
     config = make_config(
         requests,
         args.cache_blocks,
@@ -182,12 +201,12 @@ def run_simulate(args: argparse.Namespace) -> dict:
     result = simulate(requests, config, policy, arrival="time", cost_model=model)
     print(format_table([result]))
     print(
-        f"{len(requests)} requests: loaded in {load_seconds:.1f} s, simulated in "
+        f"{len(requests)} requests: loaded in {args.load_seconds:.1f} s, simulated in "
         f"{result.wall_seconds:.1f} s; TTFT mean / p50 / p99 {result.mean_ttft_seconds:.4f} / "
         f"{result.p50_ttft_seconds:.4f} / {result.p99_ttft_seconds:.4f} s; cost model: "
         f"{model.description}"
     )
-    return result.as_dict() | {"load_seconds": load_seconds}
+    return result.as_dict() | {"load_seconds": args.load_seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,13 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     for command in (measure, replay, sim):
         command.add_argument("--json", default=None, help="write the record here")
     args = parser.parse_args(argv)
-    if args.command == "simulate":
-        try:
-            args.policy = policy_from_spec(args.policy)
-        except (ValueError, ImportError, AttributeError) as error:
-            parser.error(str(error))
-    run = {"measure": run_measure, "replay": run_replay, "simulate": run_simulate}
-    record = run[args.command](args)
+    if args.command == "measure":
+        record = run_measure(args)
+    else:
+        model, requests = read_inputs(parser, args)
+        if args.command == "replay":
+            record = run_replay(args, model, requests)
+        else:
+            try:  # NOTE: the simulator refuses settings too small for the trace, as ValueErrors
+                record = run_simulate(args, model, requests)
+            except ValueError as error:
+                parser.error(str(error))
     if args.command != "simulate":
         print(json.dumps(record, indent=1))
     if args.json:

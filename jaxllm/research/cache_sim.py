@@ -168,7 +168,7 @@ def make_config(
     if max_model_len is None:
         max_model_len = max(2, max(r.num_prompt_tokens + r.max_tokens for r in requests))
     return SchedulerConfig(
-        num_blocks=num_blocks or blocks_for_all(requests, block_size),
+        num_blocks=blocks_for_all(requests, block_size) if num_blocks is None else num_blocks,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

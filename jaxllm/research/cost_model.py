@@ -27,6 +27,7 @@ hides its host work; the first step after an idle moment pays it: the price of `
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,29 @@ class StepCostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:
-        """Reads what `save` wrote. Raises TypeError on an unknown or missing price."""
-        record = json.loads(Path(path).read_text())
-        prices = record.pop("prices")
-        if set(prices) != set(StepWork._fields):
-            raise TypeError(
-                f"a step cost model prices exactly {', '.join(StepWork._fields)}; got "
-                f"{', '.join(prices)}"
+        """Reads what `save` wrote.
+
+        Raises:
+            ValueError: not such a model (not JSON, a price unknown or missing, or not a
+                finite number >= 0), naming the file.
+            OSError: the file cannot be read.
+        """
+        try:
+            record = json.loads(Path(path).read_text())
+            prices = record.pop("prices")
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path} is not a step cost model ({error!r})") from None
+        if not isinstance(prices, dict) or set(prices) != set(StepWork._fields):
+            raise ValueError(
+                f"{path}: a step cost model prices exactly {', '.join(StepWork._fields)}; got "
+                f"{', '.join(prices) if isinstance(prices, dict) else repr(prices)}"
             )
+        for name, price in prices.items():
+            number = isinstance(price, int | float) and not isinstance(price, bool)
+            if not (number and 0 <= price < math.inf):
+                raise ValueError(
+                    f"{path}: price {name} must be a finite number >= 0, got {price!r}"
+                )
         return cls(StepWork(**prices), **record)
 
     @classmethod

@@ -46,8 +46,20 @@ def synthetic_trace(
     Returns:
         dicts with integer "timestamp" (ms), "input_length", "output_length" and "hash_ids".
     """
-    if min(own_blocks) < 1 or min(prefix_blocks) < 0 or request_rate <= 0:
-        raise ValueError("own_blocks >= 1, prefix_blocks >= 0 and request_rate > 0 are needed")
+    spans = dict(prefix_blocks=(prefix_blocks, 0), own_blocks=(own_blocks, 1))
+    spans |= dict(output_length=(output_length, 1))
+    problems = [
+        f"{name} must be (low, high) with {least} <= low <= high, got {span!r}"
+        for name, (span, least) in spans.items()
+        if not (len(span) == 2 and least <= span[0] <= span[1])
+    ]
+    counts = dict(num_requests=num_requests, num_prefixes=num_prefixes)
+    counts |= dict(hash_block_size=hash_block_size)
+    problems += [f"{name} must be >= 1, got {n!r}" for name, n in counts.items() if n < 1]
+    if not 0 < request_rate < np.inf:
+        problems.append(f"request_rate must be a finite number > 0, got {request_rate!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prefix_blocks[0], prefix_blocks[1] + 1, num_prefixes)
     starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -122,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path")
     add_trace_arguments(parser)
     args = parser.parse_args(argv)
-    write_jsonl(args.path, trace_from_arguments(args))
+    try:
+        records = trace_from_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
+    write_jsonl(args.path, records)
     return 0
 
 

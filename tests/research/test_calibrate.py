@@ -117,16 +117,27 @@ def test_script_calibrates_and_replays_on_the_tiny_model(tmp_path):
     assert replay["engine_steps"] > 0 and replay["simulator_steps"] > 0
 
 
-def test_script_simulate_takes_a_policy_class_and_refuses_an_unknown_one(tmp_path):
+def test_script_simulate_takes_a_policy_class_and_refuses_bad_flags(tmp_path):
+    """A bad flag, trace or cost model is a usage error (exit 2, no traceback), and replay's
+    before it builds an engine."""
     (tmp_path / "my_policies.py").write_text(
         "from jaxllm.cache import LRUPolicy\n\nclass Mine(LRUPolicy):\n    name = 'mine'\n"
     )
     script = str(ROOT / "scripts" / "calibrate_step_cost.py")
     trace = ["--num-requests=6", "--num-prefixes=2", "--hash-block-size=16", "--block-size=16"]
     env = os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    for policy, code in (("my_policies:Mine", 0), ("no-such-policy", 2)):
-        argv = [sys.executable, script, "simulate", *trace, f"--policy={policy}"]
+    cases = [
+        ("simulate", ["--policy=my_policies:Mine"], "mine"),
+        ("simulate", ["--policy=no-such-policy"], "no-such-policy"),
+        ("simulate", ["--cache-blocks=0"], "num_blocks must be an integer >= 1, got 0"),
+        ("simulate", ["--cache-blocks=1", "--own-blocks", "3", "3"], "the whole cache has 1"),
+        ("simulate", ["--num-requests=0"], "num_requests must be >= 1, got 0"),
+        ("replay", ["--cost-model=missing.json"], "missing.json"),
+        ("replay", ["--trace=missing.jsonl"], "missing.jsonl"),
+    ]
+    for command, flags, expected in cases:
+        argv = [sys.executable, script, command, *trace, *flags]
         result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
-        assert result.returncode == code, result.stderr[-2000:]
-        assert ("mine" in result.stdout) if code == 0 else "no-such-policy" in result.stderr
+        assert result.returncode == (0 if expected == "mine" else 2), result.stderr[-2000:]
+        assert expected in (result.stdout if expected == "mine" else result.stderr)
         assert "Traceback" not in result.stderr

@@ -101,14 +101,24 @@ def test_json_round_trip(tmp_path):
     H200_QWEN3_0_6B.save(path)
     assert StepCostModel.load(path) == H200_QWEN3_0_6B
     record = json.loads(path.read_text())
-    assert set(record["prices"]) == set(StepWork._fields)
+    prices = dict(record["prices"])
+    assert set(prices) == set(StepWork._fields)
     record["prices"]["num_bananas"] = 1.0
     path.write_text(json.dumps(record))
-    with pytest.raises(TypeError, match="num_bananas"):
+    with pytest.raises(ValueError, match="num_bananas"):
         StepCostModel.load(path)
     del record["prices"]["num_bananas"], record["prices"]["from_idle"]
     path.write_text(json.dumps(record))
-    with pytest.raises(TypeError, match="from_idle"):
+    with pytest.raises(ValueError, match="from_idle"):
+        StepCostModel.load(path)
+    for price in (-1.0, "0.1", None, True):
+        path.write_text(
+            json.dumps(H200_QWEN3_0_6B.as_dict() | {"prices": prices | {"from_idle": price}})
+        )
+        with pytest.raises(ValueError, match=r"price from_idle must be a finite number >= 0"):
+            StepCostModel.load(path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="is not a step cost model"):
         StepCostModel.load(path)
 
 

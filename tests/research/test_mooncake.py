@@ -73,4 +73,12 @@ def test_command_line(tmp_path):
     assert [json.loads(line) for line in lines] == synthetic_trace(7, request_rate=2.0, seed=4)
     with pytest.raises(ValueError, match="request_rate"):
         synthetic_trace(3, request_rate=0.0)
+    for flags in (
+        ["--num-requests", "0"],
+        ["--prefix-blocks", "4", "1"],
+        ["--request-rate", "nan"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / "refused.jsonl"), *flags])
+        assert exit_info.value.code == 2 and not (tmp_path / "refused.jsonl").exists()
     assert np.isfinite([json.loads(line)["timestamp"] for line in lines]).all()
