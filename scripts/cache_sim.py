@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from jaxllm.cache.eviction import EvictionPolicy, make_policy
 from jaxllm.research.cache_sim import (
@@ -92,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
-        if args.step_time < 0:
-            raise ValueError(f"--step-time must be at least 0, got {args.step_time}")
+        if not 0 <= args.step_time < math.inf:
+            raise ValueError(f"--step-time must be a finite number >= 0, got {args.step_time}")
+        for flag in ("csv", "json", "plot"):
+            path = getattr(args, flag)
+            if path and not Path(path).absolute().parent.is_dir():
+                raise ValueError(f"--{flag} {path}: no such directory")
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install -e '.[plots]'")
         requests = workload_from_arguments(args)
         generate_seconds = time.perf_counter() - start
         if not requests:

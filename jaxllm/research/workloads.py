@@ -237,7 +237,7 @@ def with_poisson_arrivals(
     if not (math.isfinite(request_rate) and request_rate > 0):
         raise ValueError(f"request_rate must be a finite number > 0, got {request_rate}")
     gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, len(requests))
-    times = np.cumsum(gaps) - gaps[0]
+    times = np.cumsum(gaps) - (gaps[0] if len(gaps) else 0.0)
     return [replace(r, arrival_time=float(t)) for r, t in zip(requests, times, strict=True)]
 
 

@@ -275,7 +275,10 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
         ("--policies=jaxllm.cache:PriorityPolicy", "PriorityPolicy() cannot be made"),
         ("--groups=0", "the workload has no requests"),
         ("--cache-blocks=4,0", "--cache-blocks takes sizes of at least 1 block"),
-        ("--step-time=-1", "--step-time must be at least 0"),
+        ("--step-time=-1", "--step-time must be a finite number >= 0"),
+        ("--step-time=nan", "--step-time must be a finite number >= 0"),
+        ("--request-rate=5", "the workload has no requests"),  # with --groups=0 (below)
+        ("--csv=no/such/dir/out.csv", "--csv no/such/dir/out.csv: no such directory"),
         ("--max-model-len=8", "leaves no room for an output token"),
         ("--cache-blocks=1", "KV blocks of 256 tokens, but the whole cache has 1"),
         ("--trace=no/such/trace.jsonl", "no/such/trace.jsonl"),
@@ -284,7 +287,8 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
 def test_cli_refuses_bad_flags_before_any_simulation(flag, message):
     script = str(ROOT / "scripts" / "cache_sim.py")
     workload = "--workload=trace" if flag.startswith("--trace") else "--workload=shared-prefix"
-    argv = [sys.executable, script, workload, "--groups=2", flag]
+    groups = "--groups=0" if flag.startswith("--request-rate") else "--groups=2"
+    argv = [sys.executable, script, workload, groups, flag]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 2 and message in result.stderr, result.stderr
