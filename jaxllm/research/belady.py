@@ -77,12 +77,15 @@ class BlockAccesses:
             refill puts the block back in the cache for the lookups after it.
         num_requests: the workload's length.
         block_size: the tokens of a block.
+        prompt_ends: each request's prompt length, first and last token, by position: to
+            check that a run admits the requests in this order (`AdmissionCounter`).
     """
 
     lookups: dict[int, list[int]]
     refills: dict[int, list[int]]
     num_requests: int
     block_size: int
+    prompt_ends: tuple[tuple[int, int, int], ...] = ()
 
 
 def block_accesses(requests: Sequence[Request], block_size: int) -> BlockAccesses:
@@ -95,7 +98,12 @@ def block_accesses(requests: Sequence[Request], block_size: int) -> BlockAccesse
         for index, block_hash in enumerate(hashes):
             accesses = lookups if index < num_lookups else refills
             accesses.setdefault(block_hash, []).append(position)
-    return BlockAccesses(lookups, refills, len(requests), block_size)
+    ends = tuple(_prompt_end(request.prompt_token_ids) for request in requests)
+    return BlockAccesses(lookups, refills, len(requests), block_size, ends)
+
+
+def _prompt_end(prompt: Sequence[int]) -> tuple[int, int, int]:
+    return len(prompt), int(prompt[0]), int(prompt[-1])
 
 
 class BeladyPolicy(PriorityPolicy):
@@ -151,14 +159,15 @@ class BeladyPolicy(PriorityPolicy):
         in the order they are added (the requests' order, or their arrival order).
 
         Raises:
-            ValueError: the pool's blocks are not of the size the accesses were counted in.
+            ValueError: the pool's blocks are not of the size the accesses were counted in;
+                later, from a step, a request admitted out of the accesses' order.
         """
         if pool.block_size != self._accesses.block_size:
             raise ValueError(
                 f"BeladyPolicy counted blocks of {self._accesses.block_size} tokens; the pool's "
                 f"hold {pool.block_size}"
             )
-        self.bind(pool.block_hash, AdmissionCounter(seqs))
+        self.bind(pool.block_hash, AdmissionCounter(seqs, self._accesses.prompt_ends))
 
     def next_use(self, block_hash: int, num_admitted: int) -> int:
         """The position of the first request at or after `num_admitted` that looks up
@@ -194,15 +203,31 @@ def _first_at_or_after(positions: list[int] | None, start: int, default: int) ->
 
 class AdmissionCounter:
     """Counts the requests of a run admitted at least once: the sequences, in the order they
-    were added, are admitted first in that order, so the count is a cursor over them."""
+    were added, are admitted first in that order, so the count is a cursor over them.
 
-    def __init__(self, seqs: list[SchedSequence]) -> None:
+    Raises (when called):
+        ValueError: an admitted sequence is not the request `expected` (its prompt's ends) at
+            its position: the accesses were counted in another order.
+    """
+
+    def __init__(
+        self, seqs: list[SchedSequence], expected: Sequence[tuple[int, int, int]] = ()
+    ) -> None:
         self._seqs = seqs
+        self._expected = expected
         self._count = 0
 
     def __call__(self) -> int:
         seqs, count = self._seqs, self._count
         while count < len(seqs) and seqs[count].num_cached_tokens is not None:
+            seq, length = seqs[count], seqs[count].num_prompt_tokens
+            end = (length, seq.token_at(0), seq.token_at(length - 1))
+            if count < len(self._expected) and end != self._expected[count]:
+                raise ValueError(
+                    f"request {count} of the run is not request {count} of BeladyPolicy's "
+                    "accesses: build it from the requests in the order the run admits them "
+                    "(sorted by arrival_time for arrival='time')"
+                )
             count += 1
         self._count = count
         return count

@@ -4,6 +4,8 @@ running several at once beats it (pure Python + numpy, no model)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,6 +169,20 @@ def test_belady_refuses_a_pool_of_other_blocks():
         simulate(
             requests, make_config(requests, block_size=4), BeladyPolicy.for_requests(requests, 8)
         )
+
+
+def test_belady_refuses_a_run_that_admits_its_requests_in_another_order():
+    """Built from the list, replayed by arrival time (another order): refused, not a wrong
+    answer; built from the requests sorted by arrival time, it runs."""
+    listed = one_block_requests("HABCADAECDADCBCABHAB")
+    timed = [replace(r, arrival_time=float(len(listed) - i)) for i, r in enumerate(listed)]
+    config = sequential_config(timed, 4)
+    with pytest.raises(ValueError, match="request 0 of the run is not request 0"):
+        simulate(timed, config, BeladyPolicy.for_requests(timed, BLOCK), arrival="time")
+    arrived = sorted(timed, key=lambda request: request.arrival_time)
+    policy = BeladyPolicy.for_requests(arrived, BLOCK)
+    belady = simulate(timed, config, policy, arrival="time").num_hit_tokens
+    assert belady >= simulate(timed, config, "lru", arrival="time").num_hit_tokens
 
 
 def test_belady_needs_its_run():
