@@ -22,7 +22,8 @@ class EngineConfig:
     Attributes:
         tensor_parallel_size: number of devices the model is sharded over.
         max_num_seqs: the most sequences in one decode step.
-        max_num_batched_tokens: the most tokens (tile-padded) in one prefill step.
+        max_num_batched_tokens: the most tokens in one prefill step, rounded down to a
+            multiple of the platform's prefill tile (16 on a CPU, 128 on a GPU), at least one.
         max_model_len: the longest sequence, prompt plus output; None: the model's
             max_position_embeddings, at most 4,096. More than the model's is refused.
         kvcache_block_size: tokens per KV block, a power of two >= 8.
