@@ -65,7 +65,7 @@ def relative_error(actual, expected) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 28])
     args = parser.parse_args()

@@ -35,7 +35,7 @@ def save_tiny_qwen3(path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warm", action="store_true", help="use the usual compilation cache")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:

@@ -111,9 +111,11 @@ def bench_prefill(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=300)
     args = parser.parse_args()
+    if args.iterations < 1:
+        parser.error(f"--iterations must be at least 1, got {args.iterations}")
     results = bench_decode(args.iterations) | bench_decode(args.iterations, num_seqs=1)
     results |= bench_prefill("prefill-1x16384", 16384, 1, args.iterations)
     results |= bench_prefill("prefill-16x1024", 1024, 16, args.iterations)

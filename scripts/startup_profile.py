@@ -137,7 +137,7 @@ def report(run: str, result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:qwen3-0.6b")
     parser.add_argument("--json", help="write both runs here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""Where does FlashAttention-3 under shard_map break? `python scripts/tp_flash_check.py`
+"""Where does FlashAttention-3 under shard_map break? `python scripts/tp_flash_check.py [CASE ...]`
 
 On two H200s (jax 0.11.2) XLA segfaulted compiling the model step with FlashAttention-3's
 kernels inside shard_map. This runs each case in a child process (so a segfault ends only that
@@ -21,6 +21,7 @@ logged before the crash was "shardy-xla" (after "spmd-simplify").
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -94,11 +95,17 @@ def run_case(name: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        run_case(sys.argv[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("cases", nargs="*", default=CASES, help=f"default: {' '.join(CASES)}")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # runs one case here
+    args = parser.parse_args()
+    if args.child is not None:
+        run_case(args.child)
         return
     rows = []
-    for case in CASES:
+    for case in args.cases:
         options = case.split("+")[1:]
         env = dict(os.environ)
         flags = [XLA_OPTIONS[option] for option in options if option in XLA_OPTIONS]
@@ -109,7 +116,7 @@ def main() -> None:
             env["JAX_USE_SHARDY_PARTITIONER"] = "false"
         try:
             result = subprocess.run(
-                [sys.executable, "-X", "faulthandler", __file__, case],
+                [sys.executable, "-X", "faulthandler", __file__, "--child", case],
                 env=env,
                 capture_output=True,
                 text=True,
