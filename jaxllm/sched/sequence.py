@@ -134,9 +134,10 @@ class Sequence:
 
     def finish_reason_at(self, token: int, last: bool = True) -> FinishReason | None:
         """Why it ends with its newest token `token` (`last`: the last its grammar read), as
-        vLLM decides: a stop token (on the last token max_tokens allows too; its text searched
-        for stop strings only where it is output, `include_stop_str_in_output`), a stop
-        string, max_tokens ("length"), a grammar that admits nothing more; None: it goes on."""
+        vLLM decides: a stop token (its text searched for stop strings only where it is
+        output, `include_stop_str_in_output`), a stop string, a grammar that admits nothing
+        more, max_tokens ("length"); None: it goes on. Each "stop" holds on the last token
+        max_tokens allows too: a grammar's end stands for the eos vLLM would sample after it."""
         if self.stops_at(token):
             if self.stop_strings is not None and self.params.include_stop_str_in_output:
                 self.stop_strings(token)
@@ -144,13 +145,11 @@ class Sequence:
         # NOTE: the stop strings see every other token, so their text stays whole.
         if self.stop_strings is not None and self.stop_strings(token):
             return "stop"
-        if self.num_output_tokens >= self.max_tokens:
-            return "length"
-        if not (last and self.grammar and self.grammar.is_terminated):
-            return None
-        if self.grammar.error:  # NOTE: it stops as in vLLM, which logs it too
-            logger.warning("%s stops: its grammar failed: %s", self, self.grammar.error)
-        return "stop"
+        if last and self.grammar and self.grammar.is_terminated:
+            if self.grammar.error:  # NOTE: it stops as in vLLM, which logs it too
+                logger.warning("%s stops: its grammar failed: %s", self, self.grammar.error)
+            return "stop"
+        return "length" if self.num_output_tokens >= self.max_tokens else None
 
     def token_at(self, position: int) -> int:
         """The token at `position`, or 0 for the one still on its way back from the device."""

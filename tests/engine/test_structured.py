@@ -96,6 +96,17 @@ def test_choice_outputs_are_choices(text_llm):
     assert len({c.text for c in completions}) > 1
 
 
+def test_a_grammar_that_ends_on_the_last_token_allowed_stops(text_llm):
+    """Its end stands for the eos vLLM would sample after it: "stop" on the last token
+    max_tokens allows too, as a stop token would; cut short, "length"."""
+    choices = ["yes", "no"]  # one token each, or two ("ye" "s", "n" "o")
+    completions = sample_all(text_llm, StructuredOutputsParams(choice=choices), max_tokens=1)
+    assert {c.finish_reason for c in completions if c.text in choices} == {"stop"}
+    assert {c.finish_reason for c in completions if c.text not in choices} == {"length"}
+    longer = sample_all(text_llm, StructuredOutputsParams(regex="[0-9]{40}"), max_tokens=2)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for c in longer)
+
+
 def test_thousands_of_choices_are_choices(text_llm):
     """Past 2,000 choices, one rule of an alternative each failed in llguidance's parser."""
     choices = [f"item{index}" for index in range(2500)]
