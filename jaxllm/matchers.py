@@ -156,7 +156,8 @@ class XGrammar:
         self._batch = xgrammar.BatchGrammarMatcher(MASK_THREADS)
         self._xgrammar = xgrammar
         # xgrammar reads the tokenizer's added tokens (<|im_start|>, <think>) as text, which
-        # llguidance never allows: `fill` clears them (but eos), in the words that hold them.
+        # llguidance allows only where a grammar spells them: `fill` clears them (but eos), in
+        # the words that hold them.
         words = -(-vocab_size // 32)
         added = sorted(set(tokenizer.added_tokens_decoder) - set(eos_token_ids))
         self._added_words = np.unique(np.asarray(added, np.int64) // 32)
