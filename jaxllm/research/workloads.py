@@ -286,13 +286,17 @@ def load_trace(
                         raise ValueError("prompt_token_ids must be integers")
                 else:
                     hash_ids = record["hash_ids"]
+                    if not (isinstance(hash_ids, list) and all(map(_is_int, hash_ids))):
+                        raise ValueError(f"hash_ids must be a list of integers, got {hash_ids!r}")
                     length = record.get("input_length", len(hash_ids) * hash_block_size)
+                    if not _is_int(length):
+                        raise ValueError(f"input_length must be an integer, got {length!r}")
                     if not 0 < length <= len(hash_ids) * hash_block_size:
                         raise ValueError(
                             f"input_length {length} is not in [1, {len(hash_ids)} hash blocks of "
                             f"{hash_block_size} tokens]"
                         )
-                    prompt = np.concatenate([block_of(int(h)) for h in hash_ids])[:length]
+                    prompt = np.concatenate([block_of(h) for h in hash_ids])[:length]
                 max_tokens = record.get("max_tokens", record.get("output_length"))
                 if max_tokens is None:
                     raise KeyError("max_tokens or output_length")
@@ -304,6 +308,10 @@ def load_trace(
             except (KeyError, ValueError, TypeError) as error:
                 raise ValueError(f"{path}:{line_number}: bad trace record ({error})") from None
     return requests
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def save_trace(path: str | Path, requests: Iterable[Request]) -> None:

@@ -173,6 +173,9 @@ def test_bad_trace_names_the_line(tmp_path):
         '{"prompt_token_ids": [1.5, 2], "max_tokens": 3}',
         '{"prompt_token_ids": [1, 2], "max_tokens": 3, "timestamp": NaN}',
         '{"hash_ids": [1], "input_length": -2, "max_tokens": 1}',
+        '{"hash_ids": [1.7], "input_length": 2, "max_tokens": 1}',
+        '{"hash_ids": ["12"], "input_length": 2, "max_tokens": 1}',
+        '{"hash_ids": [1], "input_length": true, "max_tokens": 1}',
     ):
         path.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 3}\n' + line + "\n")
         with pytest.raises(ValueError, match=r"bad.jsonl:2: bad trace record"):
