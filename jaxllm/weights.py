@@ -14,7 +14,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.loader import TIED_EXTRA, expected_tensors
+from jaxllm.model.loader import EMBEDDING, TIED_EXTRA, expected_tensors
 from jaxllm.model.qwen3 import Params
 
 
@@ -43,6 +43,8 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         ValueError: a tensor missing, unknown, of another shape or not floating, naming it.
     """
     expected = expected_tensors(config, shapes)
+    if config.tie_word_embeddings and EMBEDDING not in named and TIED_EXTRA in named:
+        named = {**named, EMBEDDING: named[TIED_EXTRA]}  # as `load_hf_checkpoint` reads it
     unknown = sorted(set(named) - set(expected) - {TIED_EXTRA})
     missing = sorted(set(expected) - set(named))
     if unknown or missing:

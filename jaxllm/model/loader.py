@@ -18,6 +18,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -120,7 +121,7 @@ def hf_weights(config: Qwen3Config) -> dict[str, tuple[tuple[str, ...], Layout, 
     attn, mlp, layer = "self_attn", "mlp", "model.layers.{i}"
     qkv, gate_up = ("attn", "qkv_proj"), ("mlp", "gate_up_proj")
     weights = {
-        "model.embed_tokens.weight": (("embed",), COPY, None),
+        EMBEDDING: (("embed",), COPY, None),
         f"{layer}.input_layernorm.weight": (("attn_norm", "scale"), COPY, None),
         f"{layer}.{attn}.q_proj.weight": (qkv, LINEAR, Part(2, 0, g)),
         f"{layer}.{attn}.k_proj.weight": (qkv, LINEAR, Part(2, g, 1)),
@@ -139,8 +140,10 @@ def hf_weights(config: Qwen3Config) -> dict[str, tuple[tuple[str, ...], Layout, 
     return weights
 
 
-# Present in some tied checkpoints; equal to the embedding, so not read.
+# Present in some tied checkpoints; equal to the embedding, so not read (as in vLLM), or read
+# as the embedding where it is the one stored (`safetensors.torch.save_model` keeps it).
 TIED_EXTRA = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,8 @@ def _open_checked(
             if name in handles:
                 problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
             handles[name] = handle
+    if config.tie_word_embeddings and EMBEDDING not in handles and TIED_EXTRA in handles:
+        handles[EMBEDDING] = _Renamed(handles.pop(TIED_EXTRA), TIED_EXTRA)
     problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
     for name in sorted(handles.keys() - expected.keys()):
         if not (name == TIED_EXTRA and config.tie_word_embeddings):
@@ -298,6 +303,17 @@ def _open_checked(
             f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
         )
     return handles
+
+
+@dataclass(frozen=True)
+class _Renamed:
+    """A file's handle that serves its tensor `name` under another name."""
+
+    handle: Any
+    name: str
+
+    def get_slice(self, _name: str):
+        return self.handle.get_slice(self.name)
 
 
 def _read_into(

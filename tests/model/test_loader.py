@@ -19,8 +19,10 @@ from support.hf import HFModel, random_qwen3
 from jaxllm.model import checkpoint as checkpoint_module
 from jaxllm.model import loader
 from jaxllm.model.checkpoint import load_params
+from jaxllm.model.config import Qwen3Config
 from jaxllm.model.loader import INDEX_FILE, CheckpointError, load_hf_checkpoint
 from jaxllm.model.qwen3 import abstract_params
+from jaxllm.weights import from_hf_names
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,28 @@ def test_tied_checkpoint_may_carry_lm_head(checkpoint):
 
     assert "lm_head" not in with_head
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, without, with_head)))
+
+
+def test_tied_checkpoint_may_store_its_embedding_as_lm_head(checkpoint):
+    """As `safetensors.torch.save_model` writes a tied model (transformers loads it)."""
+    _, stored_as_embedding = load_hf_checkpoint(checkpoint)
+
+    def rename(tensors):
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+
+    rewrite(checkpoint, rename)
+    _, stored_as_lm_head = load_hf_checkpoint(checkpoint)
+
+    assert "lm_head" not in stored_as_lm_head
+    assert jax.tree.all(jax.tree.map(np.array_equal, stored_as_embedding, stored_as_lm_head))
+    config = Qwen3Config.from_hf(checkpoint)  # and by name, as `LLM.update_params` takes them
+    named = from_hf_names(
+        load_file(checkpoint / "model.safetensors"), config, abstract_params(config)
+    )
+    assert jax.tree.all(jax.tree.map(np.array_equal, stored_as_embedding, named))
+    edit_config(checkpoint, tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.embed_tokens\.weight"):
+        load_hf_checkpoint(checkpoint)
 
 
 @pytest.mark.parametrize(
