@@ -140,10 +140,10 @@ class StopStrings:
     ending after the text of the first `min_tokens` tokens (vLLM's rule); of several in one
     token's text, the one that ends first (then the first in `stop`), as the text would show
     them character by character (vLLM's `check_stop_strings` takes the first in `stop` that
-    it finds). `text` is then the output up to
-    it (through it with `include_stop_str_in_output`). No prompt context: the text must equal
-    the output tokens decoded alone (as without stop strings), also when the prompt ends inside
-    a multi-byte character.
+    it finds). `text` is then the output up to it (through it with
+    `include_stop_str_in_output`). No prompt context: the text must equal the output tokens
+    decoded alone (as without stop strings), also when the prompt ends inside a multi-byte
+    character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end` and `matched`.
     """

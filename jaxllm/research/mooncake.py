@@ -46,15 +46,21 @@ def synthetic_trace(
     Returns:
         dicts with integer "timestamp" (ms), "input_length", "output_length" and "hash_ids".
     """
-    spans = dict(prefix_blocks=(prefix_blocks, 0), own_blocks=(own_blocks, 1))
-    spans |= dict(output_length=(output_length, 1))
+    spans = {
+        "prefix_blocks": (prefix_blocks, 0),
+        "own_blocks": (own_blocks, 1),
+        "output_length": (output_length, 1),
+    }
     problems = [
         f"{name} must be (low, high) with {least} <= low <= high, got {span!r}"
         for name, (span, least) in spans.items()
         if not (len(span) == 2 and least <= span[0] <= span[1])
     ]
-    counts = dict(num_requests=num_requests, num_prefixes=num_prefixes)
-    counts |= dict(hash_block_size=hash_block_size)
+    counts = {
+        "num_requests": num_requests,
+        "num_prefixes": num_prefixes,
+        "hash_block_size": hash_block_size,
+    }
     problems += [f"{name} must be >= 1, got {n!r}" for name, n in counts.items() if n < 1]
     if not 0 < request_rate < np.inf:
         problems.append(f"request_rate must be a finite number > 0, got {request_rate!r}")
