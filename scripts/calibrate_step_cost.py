@@ -155,7 +155,9 @@ def read_inputs(
     return model, requests
 
 
-def run_replay(args: argparse.Namespace, model: StepCostModel | None, requests) -> dict:
+def run_replay(
+    args: argparse.Namespace, model: StepCostModel | None, requests: list[Request]
+) -> dict:
     model_name, llm = build_llm(args)
     max_model_len = llm.engine.scheduler.config.max_model_len
     longest = max(request.num_prompt_tokens for request in requests)
@@ -186,7 +188,9 @@ def run_replay(args: argparse.Namespace, model: StepCostModel | None, requests) 
     return record
 
 
-def run_simulate(args: argparse.Namespace, model: StepCostModel | None, requests) -> dict:
+def run_simulate(
+    args: argparse.Namespace, model: StepCostModel | None, requests: list[Request]
+) -> dict:
     model = model or H200_QWEN3_0_6B
     config = make_config(
         requests,
