@@ -14,7 +14,12 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxllm.model.config import Qwen3Config
-from jaxllm.model.loader import EMBEDDING, TIED_EXTRA, expected_tensors
+from jaxllm.model.loader import (
+    EMBEDDING,
+    TIED_EXTRA,
+    embedding_as_lm_head,
+    expected_tensors,
+)
 from jaxllm.model.qwen3 import Params
 
 
@@ -43,7 +48,7 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         ValueError: a tensor missing, unknown, of another shape or not floating, naming it.
     """
     expected = expected_tensors(config, shapes)
-    if config.tie_word_embeddings and EMBEDDING not in named and TIED_EXTRA in named:
+    if embedding_as_lm_head(config, named):
         named = {**named, EMBEDDING: named[TIED_EXTRA]}  # as `load_hf_checkpoint` reads it
     unknown = sorted(set(named) - set(expected) - {TIED_EXTRA})
     missing = sorted(set(expected) - set(named))

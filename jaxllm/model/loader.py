@@ -146,6 +146,12 @@ TIED_EXTRA = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
 
 
+def embedding_as_lm_head(config: Qwen3Config, names) -> bool:
+    """Whether the tensors of `names` are of a tied checkpoint that stores its embedding as
+    `TIED_EXTRA` alone."""
+    return config.tie_word_embeddings and EMBEDDING not in names and TIED_EXTRA in names
+
+
 @dataclass(frozen=True)
 class _Tensor:
     """One expected Hugging Face tensor: where it goes and the shape it must have."""
@@ -282,7 +288,7 @@ def _open_checked(
             if name in handles:
                 problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
             handles[name] = handle
-    if config.tie_word_embeddings and EMBEDDING not in handles and TIED_EXTRA in handles:
+    if embedding_as_lm_head(config, handles):
         handles[EMBEDDING] = _Renamed(handles.pop(TIED_EXTRA), TIED_EXTRA)
     problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
     for name in sorted(handles.keys() - expected.keys()):
