@@ -58,7 +58,7 @@ class Engine:
         self.runner = runner
         self.compiled_at_startup = runner.num_executables
         self.tokenizer = tokenizer
-        self._token_texts = TokenTexts(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.startup_seconds = startup_seconds
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}  # by request id: its first sequence's id
@@ -384,4 +384,4 @@ class Engine:
         for seq in request.seqs:
             del self._by_seq[seq.seq_id]
         request.metrics.finished_time = now
-        return request.output(self._token_texts)
+        return request.output(self.token_texts)

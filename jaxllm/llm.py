@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
-from jaxllm.detokenizer import IncrementalDetokenizer
 from jaxllm.generation_config import generation_fields
 from jaxllm.interrupts import interrupts_held
 from jaxllm.model.attention import Kernels
@@ -25,6 +24,7 @@ from jaxllm.prompts import Prompt, chat_prompts, one_per_prompt, parse_prompts, 
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.startup import check_model, engine_settings, start_engine
+from jaxllm.streams import RequestStream
 
 Message = dict[str, Any]
 
@@ -237,10 +237,12 @@ class LLM:
 
         The text deltas of completion `index` concatenate to its final text and the token
         deltas to its token ids (with n = 1, the `RequestOutput`'s `text` and `token_ids`); its
-        last delta carries its `finish_reason` and `stop_reason`, the others None.
-        With stop strings, the last (longest stop string - 1) characters are held back until
-        they cannot start a stop string (unless `include_stop_str_in_output`). The request is
-        queued at the first `next()`; closing the iterator early aborts it.
+        last delta carries its `finish_reason` and `stop_reason`, the others None. Its logprobs
+        deltas (with `logprobs`) concatenate to its `logprobs`; completion 0's first delta
+        carries the `prompt_logprobs`. With stop strings, the last (longest stop string - 1)
+        characters are held back until they cannot start a stop string (unless
+        `include_stop_str_in_output`). The request is queued at the first `next()`; closing the
+        iterator early aborts it.
 
         Raises:
             ValueError: as `generate` does, at once (before anything runs).
@@ -250,14 +252,8 @@ class LLM:
         return self._stream(request)
 
     def _stream(self, request: Request):
-        request_id, seqs = request.request_id, request.seqs
-        params = seqs[0].params
-        detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
-        ]
-        stops = () if params.include_stop_str_in_output else params.stop or ()
-        hold_back = max((len(stop) - 1 for stop in stops), default=0)  # what may start one
-        sent_tokens, sent_chars = [0] * len(seqs), [0] * len(seqs)
+        request_id = request.request_id
+        stream = RequestStream(request, self.tokenizer, self.engine.token_texts)
         try:
             with self._lock, interrupts_held():
                 self.engine.check_awake()  # NOTE: again: it may have slept since `stream`
@@ -268,31 +264,12 @@ class LLM:
                         self._step()
                     output = self._finished.pop(request_id, None)
                     live = self.engine.has_request(request_id)
-                    # NOTE: a completion that finished is left to the request's output, whose
-                    # text ends before its stop string.
-                    new = [
-                        [] if seq.is_finished else seq.output_token_ids[n:]
-                        for seq, n in zip(seqs, sent_tokens, strict=True)
-                    ]
-                if output is not None:
-                    for done in output.outputs:
-                        i = done.index
-                        yield StreamDelta(
-                            done.text[sent_chars[i] :], done.token_ids[sent_tokens[i] :], i,
-                            done.finish_reason, done.stop_reason,
-                        )  # fmt: skip
-                    return
-                if not live:
+                    deltas = stream.new() if output is None else stream.last(output)
+                if output is None and not live:
                     raise RuntimeError(f"request {request_id} was aborted")
-                for i, tokens in enumerate(new):
-                    if not tokens:
-                        continue
-                    sent_tokens[i] += len(tokens)
-                    detokenizers[i].step(tokens if params.detokenize else [])
-                    text = detokenizers[i].text
-                    visible = max(sent_chars[i], len(text) - hold_back)
-                    delta, sent_chars[i] = text[sent_chars[i] : visible], visible
-                    yield StreamDelta(delta, list(tokens), i)
+                yield from deltas
+                if output is not None:
+                    return
         finally:
             # NOTE: never waits: the collector closes dropped streams in any thread, mid-step too
             self._closed.append(request_id)

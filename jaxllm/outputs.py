@@ -176,13 +176,22 @@ class RequestOutput:
 
 class StreamDelta(NamedTuple):
     """What `LLM.stream` yields: the new text and the new token ids of completion `index` since
-    its last delta; its last delta also says why it finished (`CompletionOutput`'s)."""
+    its last delta; its last delta also says why it finished (`CompletionOutput`'s).
+
+    Attributes:
+        logprobs: with `SamplingParams.logprobs`, the new tokens' entries of
+            `CompletionOutput.logprobs`; else None.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, `RequestOutput.prompt_logprobs`
+            in completion 0's first delta; else None.
+    """
 
     text: str
     token_ids: list[int]
     index: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

@@ -68,8 +68,25 @@ class Request:
             outputs=[_completion(index, seq, token_texts) for index, seq in enumerate(self.seqs)],
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=self.metrics,
-            prompt_logprobs=_prompt_logprobs(first, token_texts),
+            prompt_logprobs=self.prompt_logprobs(token_texts),
         )
+
+    def prompt_logprobs(self, token_texts: TokenTexts) -> PromptLogprobs | None:
+        """The prompt's logprobs (the first completion computes them), once computed; None
+        unless its params ask for them."""
+        return _prompt_logprobs(self.seqs[0], token_texts)
+
+    def logprobs(
+        self, index: int, start: int, stop: int, token_texts: TokenTexts
+    ) -> SampleLogprobs | None:
+        """Completion `index`'s logprobs of its output tokens `start:stop`, as its output holds
+        them; None unless its params ask for them."""
+        seq = self.seqs[index]
+        wanted = seq.params.logprobs
+        if wanted is None:
+            return None
+        tokens, rows = seq.output_token_ids[start:stop], seq.output_logprobs[start:stop]
+        return _logprobs(tokens, rows, wanted, token_texts, seq.params.detokenize)
 
 
 def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs | None:

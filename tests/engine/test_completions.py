@@ -3,6 +3,8 @@ find in the prefix cache, a stream of samples each, streamed per completion."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from support.engine import BLOCK_SIZE, NUM_GREEDY_TOKENS, assert_idle, greedy_params
@@ -72,6 +74,31 @@ def test_streamed_completions(text_llm):
     texts, tokens, output = stream_and_generate(text_llm, "Once upon a time", params)
     assert texts == [c.text for c in output.outputs]
     assert tokens == [c.token_ids for c in output.outputs]
+
+
+@pytest.mark.parametrize("stop", [None, [" the"]], ids=["free", "stop-string"])
+def test_streamed_logprobs_join_to_the_outputs(text_llm, stop):
+    """As vLLM's streamed outputs: each delta carries its tokens' logprobs, and completion 0's
+    first delta the prompt's."""
+    params = SamplingParams(
+        temperature=0.8, max_tokens=12, n=3, seed=1, logprobs=2, prompt_logprobs=1, stop=stop
+    )
+    deltas = list(text_llm.stream("Once upon a time", params))
+    (output,) = text_llm.generate("Once upon a time", params, use_tqdm=False)
+
+    for completion in output.outputs:
+        own = [delta for delta in deltas if delta.index == completion.index]
+        assert [len(d.logprobs) for d in own] == [len(d.token_ids) for d in own]
+        assert [entry for d in own for entry in d.logprobs] == list(completion.logprobs)
+        prompt_logprobs = [d.prompt_logprobs for d in own]
+        if completion.index == 0:
+            assert prompt_logprobs[0] == output.prompt_logprobs is not None
+            prompt_logprobs = prompt_logprobs[1:]
+        assert prompt_logprobs == [None] * len(prompt_logprobs)
+    plain = dataclasses.replace(params, logprobs=None, prompt_logprobs=None)
+    assert all(
+        d.logprobs is None and d.prompt_logprobs is None for d in text_llm.stream("Hi", plain)
+    )
 
 
 def test_a_completion_stopped_early_streams_no_part_of_its_stop_string(text_llm):
