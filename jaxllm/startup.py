@@ -32,12 +32,13 @@ from jaxllm.model.checkpoint import (
     check_checkpoint,
     check_fits,
     check_params_fit,
+    load_config,
     load_params,
 )
 from jaxllm.model.config import Qwen3Config, param_bytes
 from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
-from jaxllm.model.sharding import check_tensor_parallel, make_mesh, partitioner_for, replicated
+from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -170,15 +171,17 @@ def check_settings(
 
     Raises:
         ValueError: max_model_len beyond the model, a tensor-parallel size the devices or the
-            model cannot take, num_kvcache_blocks too few for one max_model_len request.
+            model cannot take, params larger than the memory available (checked before the
+            checkpoint's tensors), num_kvcache_blocks too few for one max_model_len request.
         CheckpointError: a checkpoint whose tensors do not fit its config.
         FileNotFoundError: a model that is neither a directory nor downloadable.
     """
-    path = resolve_model(model)
-    model_config = check_checkpoint(path, config.dtype or platform.dtype)  # the tensors too
+    path, dtype = resolve_model(model), config.dtype or platform.dtype
+    model_config = load_config(path, dtype)
     config = resolve_defaults(config, model_config, platform)
     mesh = make_mesh(config.tensor_parallel_size)
-    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    check_params_fit(model_config, mesh)  # NOTE: first: the tensors' check grows with the layers
+    check_checkpoint(path, dtype)
     if config.num_kvcache_blocks:
         check_room(config.num_kvcache_blocks, config)
     return path, model_config, config, mesh
@@ -211,7 +214,6 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     phase = functools.partial(timed_phase, seconds)
     path, model_config, config, mesh = check_settings(model, config, platform)
     dtype = config.dtype or platform.dtype
-    check_params_fit(model_config, mesh)
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile

@@ -32,6 +32,8 @@ from jaxllm.model.qwen3 import Params, abstract_params, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh
 
 INDEX_FILE = "model.safetensors.index.json"
+# A CheckpointError lists this many problems at most (a config of 10^5 layers has millions).
+MAX_PROBLEMS_SHOWN = 50
 # The safetensors dtypes a weight may have: float32, bfloat16, float16.
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -305,9 +307,9 @@ def _open_checked(
             floats = ", ".join(FLOAT_DTYPES)
             problems.append(f"tensor {name} has dtype {hf_dtype}, expected one of {floats}")
     if problems:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(problems)
-        )
+        more = len(problems) - MAX_PROBLEMS_SHOWN
+        listed = problems[:MAX_PROBLEMS_SHOWN] + ([f"... and {more} more"] if more > 0 else [])
+        raise CheckpointError(f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(listed))
     return handles
 
 

@@ -4,6 +4,7 @@ size) and their error messages."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from support.hf import HFModel, random_qwen3
 
+import jaxllm
 from jaxllm.model import checkpoint as checkpoint_module
 from jaxllm.model import loader
 from jaxllm.model.checkpoint import load_params
@@ -240,3 +242,25 @@ def test_a_model_too_large_for_memory_is_refused_at_once(checkpoint, monkeypatch
     with pytest.raises(ValueError, match=r"take [\d.]+ GB .*, more than the [\d.]+ GB available"):
         load_params(checkpoint)
     assert time.perf_counter() - start < 1.0
+
+
+def test_start_up_refuses_a_model_too_large_before_listing_its_tensors(checkpoint, monkeypatch):
+    """The tensors' check grows with the config's layers (minutes at 10^6): start-up checks the
+    params' size first."""
+    edit_config(checkpoint, num_hidden_layers=10**6, intermediate_size=10**5)
+    monkeypatch.setattr(checkpoint_module, "check_hf_checkpoint", lambda *_: pytest.fail())
+
+    with pytest.raises(ValueError, match=r"the params \(1000000 layers .* more than the"):
+        jaxllm.LLM(checkpoint, dtype="float32")
+
+
+def test_a_checkpoint_error_lists_its_first_problems(checkpoint):
+    edit_config(checkpoint, num_hidden_layers=100)
+
+    with pytest.raises(CheckpointError) as error:
+        load_params(checkpoint)
+
+    lines = str(error.value).splitlines()[1:]
+    assert len(lines) == loader.MAX_PROBLEMS_SHOWN + 1
+    assert lines[0] == "  missing tensor model.layers.10.input_layernorm.weight"
+    assert re.fullmatch(r"  \.\.\. and \d+ more", lines[-1])
