@@ -63,6 +63,13 @@ def as_bool(value: object) -> bool | None:
     return bool(value) if isinstance(value, bool | np.bool_) else None
 
 
+def check_flag(name: str, value: object) -> None:
+    """Raises TypeError unless `value`, an argument `name`, is True or False: a truthy string
+    ("false") must not turn a flag on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {shown(value)}")
+
+
 def as_str(value: object) -> str | None:
     """`value` as a Python str if it is one, else None."""
     return str(value) if isinstance(value, str) else None

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.cache import CacheStats
 from jaxllm.config import EngineConfig
+from jaxllm.fields import check_flag
 from jaxllm.generation_config import generation_fields
 from jaxllm.interrupts import interrupts_held
 from jaxllm.model.attention import Kernels
@@ -119,8 +120,10 @@ class LLM:
 
         Raises:
             ValueError: another tree structure, shape or dtype, or a deleted array, naming it.
+            TypeError: donate not a bool.
             RuntimeError: requests are running (a stream not yet exhausted).
         """
+        check_flag("donate", donate)
         with self._lock:
             self._abort_closed()
             self.engine.update_params(params, donate)
@@ -161,10 +164,12 @@ class LLM:
 
         Raises:
             ValueError: `path` is a non-empty directory (without `overwrite`) or not a directory.
+            TypeError: overwrite not a bool.
             RuntimeError: the weights were dropped by sleep(level=2).
         """
         from jaxllm.model.checkpoint import save_model
 
+        check_flag("overwrite", overwrite)
         generation = generation_fields(self.engine.default_sampling_params)
         generation["eos_token_id"] = list(self.engine.scheduler.config.eos_token_ids)
         with self._lock:
@@ -193,8 +198,7 @@ class LLM:
                 fit in the KV cache, or a sampling_params list of the wrong length (nothing runs).
             TypeError: use_tqdm not a bool.
         """
-        if not isinstance(use_tqdm, bool):
-            raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+        check_flag("use_tqdm", use_tqdm)
         with self._lock:
             return self._run(self._requests(prompts, sampling_params), use_tqdm)
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jinja2
 import numpy as np
 
-from jaxllm.fields import as_int, shown
+from jaxllm.fields import as_int, check_flag, shown
 from jaxllm.sampling_params import SEED_LIMIT, SamplingParams
 
 TokenIds = Sequence[int] | np.ndarray
@@ -174,8 +174,8 @@ def chat_prompts(
     if enable_thinking is not None:
         options["enable_thinking"] = enable_thinking
     for flag in ("add_generation_prompt", "continue_final_message", "enable_thinking"):
-        if options.get(flag) is not None and not isinstance(options[flag], bool):
-            raise TypeError(f"{flag} must be True or False, got {shown(options[flag])}")
+        if options.get(flag) is not None:
+            check_flag(flag, options[flag])
     if options.get("add_generation_prompt") and options.get("continue_final_message"):
         raise ValueError("continue_final_message=True needs add_generation_prompt=False")
     options["tokenize"] = False

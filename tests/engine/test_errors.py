@@ -78,6 +78,18 @@ def test_use_tqdm_must_be_a_bool(llm, reference):
     assert_usable(llm, reference)
 
 
+def test_flags_of_save_and_update_params_must_be_bools(llm, reference, tmp_path):
+    """A truthy string must not turn them on: overwrite="false" replaced the user's files."""
+    (tmp_path / "generation_config.json").write_text("mine")
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'false'"):
+        llm.save(tmp_path, overwrite="false")
+    assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]
+    assert (tmp_path / "generation_config.json").read_text() == "mine"
+    with pytest.raises(TypeError, match="donate must be True or False, got 'x'"):
+        llm.update_params(llm.params, donate="x")
+    assert_usable(llm, reference)
+
+
 def test_bad_stream_call_fails_at_once(llm, reference):
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         llm.stream([1, 2, 10_000])
