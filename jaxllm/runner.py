@@ -30,7 +30,13 @@ from jaxllm.executables import ExecutableStore, depends_on
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
-from jaxllm.model.kv_cache import KVCache, allocate_above_a_gap, allocate_kv_cache, kv_cache_shapes
+from jaxllm.model.kv_cache import (
+    KVCache,
+    allocate_above_a_gap,
+    allocate_kv_cache,
+    gap_bytes,
+    kv_cache_shapes,
+)
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
 from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
@@ -146,8 +152,8 @@ class ModelRunner:
         self.ladder: tuple[Bucket, ...] = ()  # compiled at start-up; none: at first use
 
     def _allocate_kv_cache(self) -> Any:
-        bitmask_bytes = 4 * self.max_sampled_rows * self._mask_words
-        return allocate_above_a_gap(self._allocate, bitmask_bytes, self._replicated)
+        gap = gap_bytes(self.max_sampled_rows, self.config.vocab_size)
+        return allocate_above_a_gap(self._allocate, gap, self._replicated)
 
     def reset(self) -> None:
         """Forgets the steps dispatched so far; awake, allocates the KV cache again, empty (a

@@ -36,7 +36,7 @@ from jaxllm.model.checkpoint import (
     load_params,
 )
 from jaxllm.model.config import Qwen3Config, param_bytes
-from jaxllm.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shapes
+from jaxllm.model.kv_cache import gap_bytes, kv_cache_bytes_per_block, kv_cache_shapes
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, sharded_forward, sharded_param_shapes
 from jaxllm.model.sharding import make_mesh, partitioner_for, replicated
 from jaxllm.platform import CPU_KV_CACHE_BYTES, Platform
@@ -246,6 +246,13 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
             params_bytes + config.num_kvcache_blocks * per_block,
             mesh,
         )
+    rows = ladder.max_sampled_rows
+    check_fits(
+        f"the params and the gap below the KV cache (token bitmasks of {rows} rows, "
+        f"max_num_seqs={config.max_num_seqs})",
+        params_bytes + gap_bytes(rows, model_config.vocab_size),
+        mesh,
+    )
     # NOTE: the programs compile from the shapes of the weights and the KV cache, so the weights
     # load on a thread while they compile, once the KV cache is sized; the tokenizer from the
     # start (seconds to build where it is not cached yet; a model directory's imports torch

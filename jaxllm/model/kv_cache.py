@@ -107,12 +107,18 @@ def kv_cache_shapes(config: Qwen3Config, num_blocks: int, block_size: int, mesh:
     return jax.tree.map(lambda x, s: x.update(sharding=s), cache, _shardings(mesh))
 
 
+def gap_bytes(max_sampled_rows: int, vocab_size: int) -> int:
+    """The gap below the KV cache: `SMALL_BUFFERS_BYTES` and a token bitmask (vocab / 32 int32
+    words) for each of the most rows a step samples."""
+    return SMALL_BUFFERS_BYTES + 4 * max_sampled_rows * -(-vocab_size // 32)
+
+
 def allocate_above_a_gap(
-    allocate: Callable[[], KVCache], gap_bytes: int, sharding: NamedSharding
+    allocate: Callable[[], KVCache], num_bytes: int, sharding: NamedSharding
 ) -> KVCache:
-    """`allocate()`'s cache, placed above a free gap of `SMALL_BUFFERS_BYTES` plus `gap_bytes`
-    (the allocator fills the lowest free addresses first)."""
-    gap = jax.device_put(np.zeros((SMALL_BUFFERS_BYTES + gap_bytes) // 4, np.int32), sharding)
+    """`allocate()`'s cache, placed above a free gap of `num_bytes` (the allocator fills the
+    lowest free addresses first)."""
+    gap = jax.device_put(np.zeros(num_bytes // 4, np.int32), sharding)
     kv_cache = allocate()
     gap.delete()
     return kv_cache

@@ -328,6 +328,14 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(checkpoint):
     assert time.perf_counter() - start < 30  # refused, not attempted
 
 
+def test_a_max_num_seqs_whose_token_bitmasks_cannot_fit_is_refused_by_name(checkpoint):
+    """Below the KV cache lies a token bitmask of each row a step may sample (vocab / 32
+    words): 2^31 - 1 rows of 256 tokens take 69 GB, once a numpy MemoryError at allocation."""
+    settings = BASE_SETTINGS | {"max_num_seqs": 2**31 - 1}
+    with pytest.raises(ValueError, match=r"max_num_seqs=2147483647\).* GB available"):
+        LLM(checkpoint.path, **settings)
+
+
 def test_a_cpu_compiles_buckets_as_steps_need_them(checkpoint, greedy_prompts, greedy_reference):
     llm = LLM(checkpoint.path)  # the defaults: the model's 512 positions, the whole ladder
     assert llm.num_executables == 0 and llm.config.max_model_len == 512
