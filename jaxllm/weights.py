@@ -19,6 +19,7 @@ from jaxllm.model.loader import (
     TIED_EXTRA,
     embedding_as_lm_head,
     expected_tensors,
+    read_params,
 )
 from jaxllm.model.qwen3 import Params
 
@@ -39,10 +40,11 @@ def is_hf_named(params: Any) -> bool:
 
 
 def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params) -> Params:
-    """The param tree (structured as `shapes`) of tensors named as in a Hugging Face Qwen3
-    checkpoint, converted with jax.numpy where they are (q/k/v and gate/up fused, linear
-    weights transposed, cast to the model's dtype as a checkpoint is), so arrays on the devices
-    stay there.
+    """The param tree (structured as `shapes`, the params' sharded shapes) of tensors named as in
+    a Hugging Face Qwen3 checkpoint, laid out as a checkpoint's are (q/k/v and gate/up fused,
+    linear weights transposed, cast to the model's dtype). Host tensors are read into each
+    device's block, as a checkpoint's (no device holds more than its own blocks); device arrays
+    are converted with jax.numpy where they are.
 
     Raises:
         ValueError: a tensor missing, unknown, of another shape or not floating, naming it.
@@ -56,19 +58,26 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         raise ValueError(
             f"Hugging Face weights: {'unknown ' + unknown[0] if unknown else 'no ' + missing[0]}"
         )
-    flat_shapes = flatten_dict(shapes)
-    tree: dict[tuple[str, ...], Any] = {}
-    fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
+    arrays = {}
     for name, tensor in expected.items():
         array = _from_torch(named[name])
-        # NOTE: a host array is copied (as in `placed_like`), a device array kept where it is.
-        array = jnp.asarray(array if isinstance(array, jax.Array) else np.array(array))
+        array = array if isinstance(array, jax.Array) else np.asarray(array)
         if array.shape != tensor.hf_shape:
             raise ValueError(
                 f"{name} is {list(array.shape)}; the model's is {list(tensor.hf_shape)}"
             )
         if not jnp.issubdtype(array.dtype, jnp.floating):
             raise ValueError(f"{name} is {array.dtype}; weights are floating point")
+        arrays[name] = array
+    flat_shapes = flatten_dict(shapes)
+    if not any(isinstance(array, jax.Array) for array in arrays.values()):
+        return read_params(arrays, expected, flat_shapes)  # NOTE: blocks copied: no aliasing
+    tree: dict[tuple[str, ...], Any] = {}
+    fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
+    for name, tensor in expected.items():
+        # NOTE: a host array is copied (as in `placed_like`), a device array kept where it is.
+        array = arrays[name]
+        array = jnp.asarray(array if isinstance(array, jax.Array) else np.array(array))
         like, part = flat_shapes[tensor.param_path], tensor.part
         shape = like.shape
         if part is not None:  # its part of the fused param: `axis` of size part.size

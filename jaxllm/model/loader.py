@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,26 +243,39 @@ def load_hf_checkpoint(
 
     with contextlib.ExitStack() as stack:
         handles = _open_checked(path, config, expected, stack)
-        by_param: dict[tuple[str, ...], list[str]] = {}
-        for name, tensor in expected.items():
-            by_param.setdefault(tensor.param_path, []).append(name)
-        params: Params = {}
+        slices = {name: handles[name].get_slice(name) for name in expected}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
-            for param_path, names in by_param.items():
-                shape, sharding = leaves[param_path].shape, leaves[param_path].sharding
-                blocks = []
-                for device, index in sharding.addressable_devices_indices_map(shape).items():
-                    host = np.empty(sharding.shard_shape(shape), config.jnp_dtype)
-                    for name in names:
-                        tensor = handles[name].get_slice(name)
-                        _read_into(host, tensor, expected[name], shape, index)
-                    # NOTE: waiting bounds host memory to one block even if transfers lag reads.
-                    blocks.append(jax.device_put(host, device).block_until_ready())
-                    del host
-                array = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
-                params[param_path] = array
-                bar.update(len(names))
-    return config, unflatten_dict(params)
+            return config, read_params(slices, expected, leaves, bar.update)
+
+
+def read_params(
+    tensors: dict[str, Any],
+    expected: dict[str, _Tensor],
+    leaves: dict[tuple[str, ...], jax.ShapeDtypeStruct],
+    done: Callable[[int], Any] = lambda _: None,
+) -> Params:
+    """The param tree of Hugging Face `tensors` (name -> what slices as a numpy array does: a
+    safetensors slice, a host array), each param built device by device as `leaves` (path ->
+    its sharded shape) place it: that device's block read into a host buffer of the param's
+    dtype and sent before the next is read. `done(n)` after each param, of its n tensors."""
+    by_param: dict[tuple[str, ...], list[str]] = {}
+    for name, tensor in expected.items():
+        by_param.setdefault(tensor.param_path, []).append(name)
+    params = {}
+    for param_path, names in by_param.items():
+        leaf = leaves[param_path]
+        shape, sharding = leaf.shape, leaf.sharding
+        blocks = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            host = np.empty(sharding.shard_shape(shape), leaf.dtype)
+            for name in names:
+                _read_into(host, tensors[name], expected[name], shape, index)
+            # NOTE: waiting bounds host memory to one block even if transfers lag reads.
+            blocks.append(jax.device_put(host, device).block_until_ready())
+            del host
+        params[param_path] = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
+        done(len(names))
+    return unflatten_dict(params)
 
 
 def check_hf_checkpoint(path: Path, config: Qwen3Config) -> None:

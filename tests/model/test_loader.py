@@ -23,7 +23,8 @@ from jaxllm.model import loader
 from jaxllm.model.checkpoint import load_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.loader import INDEX_FILE, CheckpointError, load_hf_checkpoint
-from jaxllm.model.qwen3 import abstract_params
+from jaxllm.model.qwen3 import abstract_params, sharded_param_shapes
+from jaxllm.model.sharding import make_mesh
 from jaxllm.weights import from_hf_names
 
 
@@ -112,9 +113,8 @@ def test_tied_checkpoint_may_store_its_embedding_as_lm_head(checkpoint):
     assert "lm_head" not in stored_as_lm_head
     assert jax.tree.all(jax.tree.map(np.array_equal, stored_as_embedding, stored_as_lm_head))
     config = Qwen3Config.from_hf(checkpoint)  # and by name, as `LLM.update_params` takes them
-    named = from_hf_names(
-        load_file(checkpoint / "model.safetensors"), config, abstract_params(config)
-    )
+    shapes = sharded_param_shapes(config, make_mesh(1))
+    named = from_hf_names(load_file(checkpoint / "model.safetensors"), config, shapes)
     assert jax.tree.all(jax.tree.map(np.array_equal, stored_as_embedding, named))
     edit_config(checkpoint, tie_word_embeddings=False)
     with pytest.raises(CheckpointError, match=r"missing tensor model\.embed_tokens\.weight"):

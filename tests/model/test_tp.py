@@ -18,13 +18,14 @@ from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.loader import load_hf_checkpoint
-from jaxllm.model.qwen3 import forward, init_params, sharded_forward
+from jaxllm.model.qwen3 import forward, init_params, sharded_forward, sharded_param_shapes
 from jaxllm.model.sharding import (
     check_tensor_parallel,
     gspmd_partitioner,
     make_mesh,
     partitioner_for,
 )
+from jaxllm.weights import from_hf_names
 
 # 8 query heads, 4 kv heads, head dim 64, hidden 128 (ffn 288), 2 layers.
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 8, 4, 64, 128, 2
@@ -84,6 +85,23 @@ def test_loaded_params_are_sharded_blocks_of_the_unsharded_ones(checkpoint, tp):
         for shard in array.addressable_shards:
             assert shard.data.shape == tuple(local_shape), name
             np.testing.assert_array_equal(shard.data, np.asarray(expected[name])[shard.index])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_weights_by_name_are_read_into_each_devices_blocks(checkpoint, tp):
+    """`LLM.update_params` with a trainer's state dict: host tensors go to their devices' blocks
+    as a checkpoint's do, not whole to one device."""
+    _, model, config, reference = checkpoint
+    shapes = sharded_param_shapes(config, make_mesh(tp))
+    state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+
+    params = from_hf_names(state, config, shapes)
+
+    expected, placements = leaves_by_path(reference), leaves_by_path(shapes)
+    assert set(leaves_by_path(params)) == set(expected)
+    for name, array in leaves_by_path(params).items():
+        assert array.sharding.is_equivalent_to(placements[name].sharding, array.ndim), name
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(expected[name]))
 
 
 def tiny_config(**overrides) -> Qwen3Config:
