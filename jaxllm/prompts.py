@@ -3,8 +3,8 @@
 
 One prompt is:
   - a string: text, which the caller tokenizes;
-  - token ids: a list or tuple of integers (numpy's included, bools not), or a 1-d numpy array
-    of an integer dtype;
+  - token ids: a list or tuple of integers (numpy's included, bools not), or a 1-d array of an
+    integer dtype (numpy's, or another library's that numpy reads: jax's, a CPU torch tensor);
   - vLLM's `TextPrompt` {"prompt": str} or `TokensPrompt` {"prompt_token_ids": token ids}, which
     may hold the "prompt" its ids came from (the output's prompt).
 
@@ -31,7 +31,7 @@ TokenIds = Sequence[int] | np.ndarray
 Prompt = str | TokenIds | dict[str, Any]
 
 ALLOWED = (
-    "a string, token ids (a list, tuple or 1-d integer numpy array), {'prompt': str} or "
+    "a string, token ids (a list, tuple or 1-d integer array), {'prompt': str} or "
     "{'prompt_token_ids': token ids} (with the 'prompt' they came from, if known)"
 )
 _TEXT_KEY, _TOKENS_KEY = "prompt", "prompt_token_ids"
@@ -53,6 +53,7 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
             an unknown key, token ids that are not integers, a numpy array that is not 1-d of
             an integer dtype), naming the prompt's index (or `prompts`) and what is allowed.
     """
+    prompts = _host_array(prompts)
     if isinstance(prompts, set | frozenset):
         raise ValueError(
             f"prompts must be ordered: a list or tuple of prompts, not a {type(prompts).__name__}"
@@ -69,6 +70,7 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
 
 def _parse_one(prompt: object, index: int) -> ParsedPrompt:
     """Prompt number `index` of the call (the index is for error messages)."""
+    prompt = _host_array(prompt)
     if isinstance(prompt, str):
         return ParsedPrompt(_text(prompt, index), None)
     if isinstance(prompt, dict):
@@ -100,13 +102,24 @@ def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
         text = _text(text, index)
     if _TOKENS_KEY not in prompt:
         return ParsedPrompt(text, None)
-    tokens = prompt[_TOKENS_KEY]
+    tokens = _host_array(prompt[_TOKENS_KEY])
     if not isinstance(tokens, list | tuple | np.ndarray):
         raise ValueError(
-            f"prompt {index}: '{_TOKENS_KEY}' must be a list, tuple or 1-d integer numpy "
-            f"array of token ids, got {_described(tokens)}"
+            f"prompt {index}: '{_TOKENS_KEY}' must be a list, tuple or 1-d integer array of "
+            f"token ids, got {_described(tokens)}"
         )
     return ParsedPrompt(text, _token_ids(tokens, index))
+
+
+def _host_array(value: object) -> object:
+    """An array of another library that numpy reads (`__array__`: jax's, a CPU torch tensor) as
+    a numpy array; anything else as it is."""
+    if isinstance(value, np.ndarray | np.generic) or not hasattr(value, "__array__"):
+        return value
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError, RuntimeError):  # NOTE: one it cannot read (a GPU tensor)
+        return value
 
 
 def _text(text: str, index: int) -> str:
@@ -125,7 +138,7 @@ def _token_ids(tokens: list | tuple | np.ndarray, index: int) -> list[int]:
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
-                f"prompt {index}: a numpy array of token ids must be 1-d of an integer dtype, "
+                f"prompt {index}: an array of token ids must be 1-d of an integer dtype, "
                 f"got shape {tokens.shape} of {tokens.dtype}"
             )
         return tokens.tolist()

@@ -1,8 +1,10 @@
 """`jaxllm.prompts.parse_prompts`: vLLM's prompt forms in, one list of (text, token ids) out;
 every form refused names the prompt's index (or `prompts`) and what is allowed (no engine)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from jaxllm.prompts import ParsedPrompt, parse_prompts
 
@@ -34,6 +36,10 @@ ACCEPTED = {
     "no prompts": ([], []),
     "an empty tuple": ((), []),
     "out-of-vocabulary ids": ([10**30, -1], [ParsedPrompt(None, [10**30, -1])]),  # the engine's
+    "a jax array": (jnp.array(TOKENS), ONE_TOKEN_PROMPT),
+    "jax arrays": ([jnp.array(TOKENS), jnp.array(TOKENS, jnp.uint32)], [TOKEN_PROMPT] * 2),
+    "TokensPrompt of a jax array": ({"prompt_token_ids": jnp.array(TOKENS)}, ONE_TOKEN_PROMPT),
+    "a torch tensor": (torch.tensor(TOKENS), ONE_TOKEN_PROMPT),
 }
 
 
@@ -71,7 +77,7 @@ REFUSED = {
     "text that is not a string": ({"prompt": TOKENS}, "prompt 0: 'prompt' must be a string"),
     "token ids that are text": (
         {"prompt_token_ids": "abc"},
-        "prompt 0: 'prompt_token_ids' must be a list, tuple or 1-d integer numpy array",
+        "prompt 0: 'prompt_token_ids' must be a list, tuple or 1-d integer array",
     ),
     "bool token ids": (
         [True, False],
@@ -93,10 +99,12 @@ REFUSED = {
     "a list in token ids": ([1, [2, 3]], r"prompt 0: .*got list \[2, 3\] at position 1"),
     "a float array": (
         np.array([1.0, 2.0]),
-        "prompt 0: a numpy array of token ids must be 1-d of an",
+        "prompt 0: an array of token ids must be 1-d of an",
     ),
     "an empty float array": (np.array([]), r"must be 1-d of an integer dtype, got shape \(0,\)"),
     "a 2-d array": (np.ones((2, 3), np.int32), r"prompt 0: .*got shape \(2, 3\) of int32"),
+    "a 2-d jax array": (jnp.ones((2, 3), jnp.int32), r"prompt 0: .*got shape \(2, 3\) of int32"),
+    "a float jax array": ([jnp.array([1.5])], r"prompt 0: .*1-d of an integer dtype, .*float32"),
     "a 0-d array": ([TOKENS, np.array(3)], r"prompt 1: .*got shape \(\) of int"),
     "a bool array": (np.array([True]), "must be 1-d of an integer dtype, got shape .* of bool"),
     "a number": (7, "prompt 0: expected a string, token ids .*got int 7"),
