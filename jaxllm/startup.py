@@ -171,7 +171,7 @@ def check_settings(
 
     Raises:
         ValueError: max_model_len beyond the model, a tensor-parallel size the devices or the
-            model cannot take, params larger than the memory available (checked before the
+            model cannot take, params larger than the devices' memory (checked before the
             checkpoint's tensors), num_kvcache_blocks too few for one max_model_len request.
         CheckpointError: a checkpoint whose tensors do not fit its config.
         FileNotFoundError: a model that is neither a directory nor downloadable.
@@ -180,7 +180,9 @@ def check_settings(
     model_config = load_config(path, dtype)
     config = resolve_defaults(config, model_config, platform)
     mesh = make_mesh(config.tensor_parallel_size)
-    check_params_fit(model_config, mesh)  # NOTE: first: the tensors' check grows with the layers
+    # NOTE: against the devices' whole memory (another engine may hold it until this one
+    # starts), before the tensors' check, which grows with the layers
+    check_params_fit(model_config, mesh, whole=True)
     check_checkpoint(path, dtype)
     if config.num_kvcache_blocks:
         check_room(config.num_kvcache_blocks, config)
@@ -214,6 +216,7 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     phase = functools.partial(timed_phase, seconds)
     path, model_config, config, mesh = check_settings(model, config, platform)
     dtype = config.dtype or platform.dtype
+    check_params_fit(model_config, mesh)
     block_size = config.kvcache_block_size
     kernels = platform.kernels(block_size, model_config.num_kv_heads // config.tensor_parallel_size)
     tile = platform.prefill_tile

@@ -234,25 +234,40 @@ def available_memory_bytes(device: jax.Device | None = None) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(what: str, bytes_per_device: int, mesh: Mesh) -> None:
+def memory_bytes(device: jax.Device | None = None) -> int:
+    """Bytes `device` (default: the first) holds in all: its `memory_stats()` limit, or for a
+    device without them (a CPU) the host's memory."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    with contextlib.suppress(OSError, ValueError):
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(what: str, bytes_per_device: int, mesh: Mesh, whole: bool = False) -> None:
     """Raises a ValueError naming `what` if `bytes_per_device` on each device of `mesh` in this
     process is more than is available there (devices without memory stats, CPUs, share the
-    host's memory); for before allocating."""
+    host's memory); for before allocating. `whole`: more than the devices hold in all, whatever
+    uses them now."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    memory, state = (memory_bytes, "in all") if whole else (available_memory_bytes, "available")
     if "bytes_limit" in (devices[0].memory_stats() or {}):
-        needed, available = bytes_per_device, min(available_memory_bytes(d) for d in devices)
+        needed, available = bytes_per_device, min(memory(d) for d in devices)
         where = f"per device ({devices[0].device_kind})"
     else:
-        needed, available = bytes_per_device * len(devices), available_memory_bytes(devices[0])
+        needed, available = bytes_per_device * len(devices), memory(devices[0])
         where = "in host memory"
     if needed > available:
         raise ValueError(
             f"{what} take {needed / 1e9:.2f} GB {where}, more than the "
-            f"{available / 1e9:.2f} GB available"
+            f"{available / 1e9:.2f} GB {state}"
         )
 
 
-def check_params_fit(config: Qwen3Config, mesh: Mesh) -> None:
+def check_params_fit(config: Qwen3Config, mesh: Mesh, whole: bool = False) -> None:
     """`check_fits` for the params of `config` sharded over `mesh`; a ValueError too if the
     mesh does not divide the model."""
     tp = tensor_parallel_size(mesh)
@@ -261,7 +276,7 @@ def check_params_fit(config: Qwen3Config, mesh: Mesh) -> None:
         f"the params ({config.num_layers} layers of hidden size {config.hidden_size}, "
         f"{config.dtype})"
     )
-    check_fits(what, param_bytes(config, tp), mesh)
+    check_fits(what, param_bytes(config, tp), mesh, whole)
 
 
 def _saved(path_or_preset: str | Path) -> tuple[str, Qwen3Config]:

@@ -23,9 +23,12 @@ import jaxllm
 import jaxllm.notebook
 from jaxllm import LLM, SamplingParams, startup
 from jaxllm.cache import LRUPolicy
+from jaxllm.model import checkpoint as checkpoint_module
 from jaxllm.model.checkpoint import MANIFEST_FILE
 from jaxllm.model.loader import CheckpointError
+from jaxllm.platform import Platform
 from jaxllm.runner import ModelRunner
+from jaxllm.startup import engine_settings
 
 PROMPT = "The capital of France is"
 # A small ladder compiled (and warmed up) at start-up.
@@ -317,6 +320,19 @@ def test_one_call_generate_reuses_its_engine(checkpoint, llm, tmp_path):
         assert third[0].token_ids == first[0].token_ids
     finally:
         jaxllm.notebook._shared.clear()
+
+
+def test_one_call_generate_checks_a_new_engine_against_memory_in_all(checkpoint, monkeypatch):
+    """`jaxllm.generate` checks a new engine's settings before it drops the shared one, whose
+    KV cache fills most of a GPU: what they check must not depend on what is free now; the
+    new engine checks that once the old one is gone."""
+    monkeypatch.setattr(checkpoint_module, "available_memory_bytes", lambda device=None: 0)
+    platform = Platform.detect()
+    startup.check_settings(
+        *engine_settings(str(checkpoint.path), BASE_SETTINGS, platform), platform
+    )
+    with pytest.raises(ValueError, match=r"the params \(2 layers .* GB available"):
+        LLM(checkpoint.path, **BASE_SETTINGS)
 
 
 def test_one_call_generate_with_the_embedded_default():
