@@ -42,9 +42,10 @@ def is_hf_named(params: Any) -> bool:
 def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params) -> Params:
     """The param tree (structured as `shapes`, the params' sharded shapes) of tensors named as in
     a Hugging Face Qwen3 checkpoint, laid out as a checkpoint's are (q/k/v and gate/up fused,
-    linear weights transposed, cast to the model's dtype). Host tensors are read into each
-    device's block, as a checkpoint's (no device holds more than its own blocks); device arrays
-    are converted with jax.numpy where they are.
+    linear weights transposed, cast to the model's dtype). A param of host tensors (numpy, torch)
+    is read into each device's block as a checkpoint's is, its tensors taken to numpy one param
+    at a time; one with a device array among its tensors is converted with jax.numpy where
+    that is.
 
     Raises:
         ValueError: a tensor missing, unknown, of another shape or not floating, naming it.
@@ -58,25 +59,22 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         raise ValueError(
             f"Hugging Face weights: {'unknown ' + unknown[0] if unknown else 'no ' + missing[0]}"
         )
-    arrays = {}
     for name, tensor in expected.items():
-        array = _from_torch(named[name])
-        array = array if isinstance(array, jax.Array) else np.asarray(array)
-        if array.shape != tensor.hf_shape:
-            raise ValueError(
-                f"{name} is {list(array.shape)}; the model's is {list(tensor.hf_shape)}"
-            )
-        if not jnp.issubdtype(array.dtype, jnp.floating):
-            raise ValueError(f"{name} is {array.dtype}; weights are floating point")
-        arrays[name] = array
+        shape, dtype, floating = _described(named[name])
+        if shape != tensor.hf_shape:
+            raise ValueError(f"{name} is {list(shape)}; the model's is {list(tensor.hf_shape)}")
+        if not floating:
+            raise ValueError(f"{name} is {dtype}; weights are floating point")
     flat_shapes = flatten_dict(shapes)
-    if not any(isinstance(array, jax.Array) for array in arrays.values()):
-        return read_params(arrays, expected, flat_shapes)  # NOTE: blocks copied: no aliasing
-    tree: dict[tuple[str, ...], Any] = {}
+    on_device = {t.param_path for n, t in expected.items() if isinstance(named[n], jax.Array)}
+    host = {name: t for name, t in expected.items() if t.param_path not in on_device}
+    tree = read_params(lambda name: np.asarray(_from_torch(named[name])), host, flat_shapes)
     fused: dict[tuple[tuple[str, ...], int], list[tuple[int, Any]]] = {}
     for name, tensor in expected.items():
+        if name in host:
+            continue
         # NOTE: a host array is copied (as in `placed_like`), a device array kept where it is.
-        array = arrays[name]
+        array = _from_torch(named[name])
         array = jnp.asarray(array if isinstance(array, jax.Array) else np.array(array))
         like, part = flat_shapes[tensor.param_path], tensor.part
         shape = like.shape
@@ -91,6 +89,16 @@ def from_hf_names(named: Mapping[str, Any], config: Qwen3Config, shapes: Params)
         parts.sort(key=lambda start_array: start_array[0])
         tree[path] = jnp.concatenate([array for _, array in parts], axis=axis)
     return unflatten_dict(tree)
+
+
+def _described(tensor: Any) -> tuple[tuple[int, ...], str, bool]:
+    """A tensor's shape, dtype and whether it is floating point, read without converting a
+    PyTorch tensor or an array (anything else is taken to numpy)."""
+    if hasattr(tensor, "is_floating_point") and hasattr(tensor, "detach"):  # PyTorch's
+        return tuple(tensor.shape), str(tensor.dtype), tensor.is_floating_point()
+    if not (hasattr(tensor, "shape") and hasattr(tensor, "dtype")):
+        tensor = np.asarray(tensor)
+    return tuple(tensor.shape), str(tensor.dtype), jnp.issubdtype(tensor.dtype, jnp.floating)
 
 
 def deleted_leaf(params: Params) -> str | None:

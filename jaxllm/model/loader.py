@@ -243,21 +243,22 @@ def load_hf_checkpoint(
 
     with contextlib.ExitStack() as stack:
         handles = _open_checked(path, config, expected, stack)
-        slices = {name: handles[name].get_slice(name) for name in expected}
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
-            return config, read_params(slices, expected, leaves, bar.update)
+            params = read_params(lambda n: handles[n].get_slice(n), expected, leaves, bar.update)
+    return config, unflatten_dict(params)
 
 
 def read_params(
-    tensors: dict[str, Any],
+    read: Callable[[str], Any],
     expected: dict[str, _Tensor],
     leaves: dict[tuple[str, ...], jax.ShapeDtypeStruct],
     done: Callable[[int], Any] = lambda _: None,
-) -> Params:
-    """The param tree of Hugging Face `tensors` (name -> what slices as a numpy array does: a
-    safetensors slice, a host array), each param built device by device as `leaves` (path ->
-    its sharded shape) place it: that device's block read into a host buffer of the param's
-    dtype and sent before the next is read. `done(n)` after each param, of its n tensors."""
+) -> dict[tuple[str, ...], jax.Array]:
+    """The params (path -> array) of the `expected` Hugging Face tensors, each param built
+    device by device as `leaves` (path -> its sharded shape) place it: its tensors `read` (name
+    -> what slices as a numpy array does: a safetensors slice, a host array) once, and each
+    device's block read from them into a host buffer of the param's dtype and sent before the
+    next is read. `done(n)` after each param, of its n tensors."""
     by_param: dict[tuple[str, ...], list[str]] = {}
     for name, tensor in expected.items():
         by_param.setdefault(tensor.param_path, []).append(name)
@@ -265,17 +266,18 @@ def read_params(
     for param_path, names in by_param.items():
         leaf = leaves[param_path]
         shape, sharding = leaf.shape, leaf.sharding
+        sources = {name: read(name) for name in names}
         blocks = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():
             host = np.empty(sharding.shard_shape(shape), leaf.dtype)
             for name in names:
-                _read_into(host, tensors[name], expected[name], shape, index)
+                _read_into(host, sources[name], expected[name], shape, index)
             # NOTE: waiting bounds host memory to one block even if transfers lag reads.
             blocks.append(jax.device_put(host, device).block_until_ready())
             del host
         params[param_path] = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
         done(len(names))
-    return unflatten_dict(params)
+    return params
 
 
 def check_hf_checkpoint(path: Path, config: Qwen3Config) -> None:

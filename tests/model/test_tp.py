@@ -13,6 +13,7 @@ import transformers
 from support.hf import VOCAB_SIZE, random_qwen3
 from support.inputs import Chunk, build_inputs, relative_error
 
+from jaxllm import weights
 from jaxllm.model.attention import Kernels
 from jaxllm.model.checkpoint import load_params, save_params
 from jaxllm.model.config import Qwen3Config
@@ -87,21 +88,45 @@ def test_loaded_params_are_sharded_blocks_of_the_unsharded_ones(checkpoint, tp):
             np.testing.assert_array_equal(shard.data, np.asarray(expected[name])[shard.index])
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_weights_by_name_are_read_into_each_devices_blocks(checkpoint, tp):
+@pytest.mark.parametrize(("tp", "jax_embedding"), [(2, False), (4, False), (2, True)])
+def test_weights_by_name_are_read_into_each_devices_blocks(checkpoint, tp, jax_embedding):
     """`LLM.update_params` with a trainer's state dict: host tensors go to their devices' blocks
-    as a checkpoint's do, not whole to one device."""
+    as a checkpoint's do, not whole to one device; beside a jax array too (which stays where it
+    is until the params are placed)."""
     _, model, config, reference = checkpoint
     shapes = sharded_param_shapes(config, make_mesh(tp))
     state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+    if jax_embedding:
+        state["model.embed_tokens.weight"] = jax.numpy.asarray(state["model.embed_tokens.weight"])
 
     params = from_hf_names(state, config, shapes)
 
     expected, placements = leaves_by_path(reference), leaves_by_path(shapes)
     assert set(leaves_by_path(params)) == set(expected)
     for name, array in leaves_by_path(params).items():
-        assert array.sharding.is_equivalent_to(placements[name].sharding, array.ndim), name
+        if name != ("embed",) or not jax_embedding:
+            assert array.sharding.is_equivalent_to(placements[name].sharding, array.ndim), name
         np.testing.assert_array_equal(np.asarray(array), np.asarray(expected[name]))
+
+
+def test_weights_by_name_are_taken_to_the_host_one_param_at_a_time(checkpoint, monkeypatch):
+    """A trainer's state dict of bf16 (or GPU) tensors becomes float32 numpy on the host: one
+    param's tensors at a time, sent before the next are taken, never the whole model at once."""
+    _, model, config, _ = checkpoint
+    state = {
+        name: tensor.detach().to(torch.bfloat16) for name, tensor in model.state_dict().items()
+    }
+    events = []
+    take, send = weights._from_torch, jax.device_put
+    monkeypatch.setattr(weights, "_from_torch", lambda t: events.append("take") or take(t))
+    monkeypatch.setattr(
+        jax, "device_put", lambda x, *a, **k: events.append("send") or send(x, *a, **k)
+    )
+
+    from_hf_names(state, config, sharded_param_shapes(config, make_mesh(2)))
+
+    assert events.count("take") == len(state) - config.tie_word_embeddings
+    assert events.index("send") < len(events) - events[::-1].index("take")
 
 
 def tiny_config(**overrides) -> Qwen3Config:
