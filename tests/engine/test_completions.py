@@ -76,16 +76,26 @@ def test_streamed_completions(text_llm):
     assert tokens == [c.token_ids for c in output.outputs]
 
 
-@pytest.mark.parametrize("stop", [None, [" the"]], ids=["free", "stop-string"])
-def test_streamed_logprobs_join_to_the_outputs(text_llm, stop):
+@pytest.mark.parametrize("stops", [False, True], ids=["free", "one-stops-early"])
+def test_streamed_logprobs_join_to_the_outputs(text_llm, stops):
     """As vLLM's streamed outputs: each delta carries its tokens' logprobs, and completion 0's
-    first delta the prompt's."""
+    first delta the prompt's; with a stop string that ends completion 0 early (its last delta
+    from the output) too."""
+    prompt = "Once upon a time"
     params = SamplingParams(
-        temperature=0.8, max_tokens=12, n=3, seed=1, logprobs=2, prompt_logprobs=1, stop=stop
+        temperature=0.8, max_tokens=30, n=3, seed=1, logprobs=2, prompt_logprobs=1
     )
-    deltas = list(text_llm.stream("Once upon a time", params))
-    (output,) = text_llm.generate("Once upon a time", params, use_tqdm=False)
+    if stops:
+        (free,) = text_llm.generate(prompt, params, use_tqdm=False)
+        text = free.outputs[0].text
+        params = dataclasses.replace(params, stop=[text[len(text) // 3 : len(text) // 3 + 3]])
+    deltas = list(text_llm.stream(prompt, params))
+    (output,) = text_llm.generate(prompt, params, use_tqdm=False)
 
+    lengths = [len(completion.token_ids) for completion in output.outputs]
+    assert (output.outputs[0].finish_reason, lengths[0] < max(lengths)) == (
+        ("stop", True) if stops else ("length", False)
+    )
     for completion in output.outputs:
         own = [delta for delta in deltas if delta.index == completion.index]
         assert [len(d.logprobs) for d in own] == [len(d.token_ids) for d in own]
