@@ -34,6 +34,9 @@ from jax.experimental import serialize_executable
 from jax.sharding import Mesh
 
 logger = logging.getLogger(__name__)
+# What serializing a program raises where it cannot be stored: not on this backend, or one
+# holding a Python object (a host callback) that does not pickle.
+UNSTORABLE = (ValueError, NotImplementedError, TypeError, AttributeError, pickle.PickleError)
 
 # The distributions whose versions go into every key: jax, jaxlib and their plugins, flax,
 # numpy, ml_dtypes, FlashAttention-3's.
@@ -217,7 +220,7 @@ class ExecutableStore:
     def _save(self, key: str, compiled: jax.stages.Compiled) -> None:
         try:
             record = pickle.dumps(serialize_executable.serialize(compiled))
-        except (ValueError, NotImplementedError) as error:  # not serializable on this backend
+        except UNSTORABLE as error:
             logger.warning("could not store an executable: %s", error)
             return
         # NOTE: written whole, then renamed: a reader sees all of it or nothing

@@ -10,6 +10,7 @@ returns a mask of every token after `--host-us` microseconds of work (a grammar'
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -23,6 +24,7 @@ from jaxllm.model.inputs import ModelInputs, SamplingInputs
 from jaxllm.model.logits_processors import apply_bitmask
 from jaxllm.model.sampler import sample
 from jaxllm.research.bench import main as bench_main
+from jaxllm.startup import COMPILATION_CACHE_ENV
 
 CALLS = []
 
@@ -76,6 +78,8 @@ def main() -> int:
     parser.add_argument("bench_args", nargs="*")
     args = parser.parse_args()
     steps.decode_steps = decode_steps_with_callback(args.host_us)
+    # NOTE: no compilation cache: the patched program has the stored one's key
+    os.environ[COMPILATION_CACHE_ENV] = ""
     code = bench_main(args.bench_args)
     if CALLS:
         print(f"callbacks: {len(CALLS)}, host work p50 {1e3 * np.median(CALLS):.3f} ms")

@@ -158,7 +158,7 @@ for stage in "$@"; do
       logged "$name" 12 $ONE_GPU python3 scripts/bench.py ${rest//,/ } --json "$RECORDS/$name.json" ;;
     callback-plan:*)  # callback-plan:<name>:<host us>:<bench.py arguments, comma-separated>
       IFS=: read -r _ name host rest <<< "$stage"
-      logged "$name" 14 $ONE_GPU env JAXLLM_COMPILATION_CACHE= python3 scripts/callback_in_plan.py \
+      logged "$name" 14 $ONE_GPU python3 scripts/callback_in_plan.py \
         --host-us "$host" -- ${rest//,/ } --json "$RECORDS/$name.json" ;;
     weights:*)  # weights:<model>: update_params, sleep, wake_up and the training forward, timed
       logged "weights-${stage#weights:}" 20 $ONE_GPU python3 scripts/weights_timing.py \

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import io_callback
 from support.engine import BASE_SETTINGS, NUM_GREEDY_TOKENS, greedy_params, make_llm_with
 from support.hf import save_checkpoint
 
@@ -115,6 +116,27 @@ def test_a_program_from_jaxs_cache_is_not_stored(tmp_path):
     key = store.key("thrice", x, {})
     compiled = store.compile(jax.jit(lambda x: 3 * factor * x).lower(x), {}, key)
     assert key not in store and (compiled(x) == 3 * factor * x).all()
+
+
+def test_a_program_with_a_host_callback_runs_unstored(tmp_path, caplog):
+    """Its callback is a Python function, which does not pickle: a warning, not an error."""
+    store = ExecutableStore(tmp_path, jax.devices()[:1])
+    factor = random.random()
+    seen = []
+
+    def host(x):
+        seen.append(x)
+        return x
+
+    def with_callback(x):
+        return io_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), factor * x)
+
+    x = jnp.arange(4.0)
+    key = store.key("with_callback", x, {})
+    with caplog.at_level(logging.WARNING, logger="jaxllm.executables"):
+        compiled = store.compile(jax.jit(with_callback).lower(x), {}, key)
+    assert "could not store an executable" in caplog.text and key not in store
+    assert (compiled(x) == factor * x).all() and len(seen) == 1
 
 
 @pytest.mark.parametrize("directory", ["none", "under a file"])
