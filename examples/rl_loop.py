@@ -238,7 +238,7 @@ def plot_rewards(rewards: Sequence[float], path: str) -> None:
 def main(argv: Sequence[str] | None = None) -> list[float]:
     """Trains for `--steps` steps, saves the reward curve at `--out`; returns the mean reward
     of each step."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
     parser.add_argument("--out", default="/tmp/rl_reward.png", help="the reward curve (PNG)")
     args = parser.parse_args(argv)

@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 from jaxllm.cache.eviction import EvictionPolicy, make_policy
 from jaxllm.research.cache_sim import (
@@ -29,6 +28,7 @@ from jaxllm.research.cache_sim import (
     write_csv,
     write_json,
 )
+from jaxllm.research.sim_report import check_output
 from jaxllm.research.workloads import add_workload_arguments, workload_from_arguments
 
 
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.step_time < math.inf:
             raise ValueError(f"--step-time must be a finite number >= 0, got {args.step_time}")
         for flag in ("csv", "json", "plot"):
-            path = getattr(args, flag)
-            if path and not Path(path).absolute().parent.is_dir():
-                raise ValueError(f"--{flag} {path}: no such directory")
+            check_output(f"--{flag}", getattr(args, flag))
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install -e '.[plots]'")
         requests = workload_from_arguments(args)
@@ -123,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         for request in requests:  # each fits the smallest cache and max_model_len
             smallest.check_request(request.prompt_token_ids, request.max_tokens)
         policies = [policy_from_spec(name) for name in args.policies.split(",") if name]
+        if not policies:
+            raise ValueError(f"--policies names no policy: {args.policies!r}")
     except (ValueError, ImportError, AttributeError, OSError) as error:
         parser.error(str(error))
     print(

@@ -29,6 +29,7 @@ from jaxllm.research import calibrate
 from jaxllm.research.cache_sim import format_table, make_config, simulate
 from jaxllm.research.cost_model import H200_QWEN3_0_6B, StepCostModel
 from jaxllm.research.mooncake import add_trace_arguments, trace_from_arguments, write_jsonl
+from jaxllm.research.sim_report import check_output
 from jaxllm.research.workloads import Request, load_trace
 
 # The engine's limits without an accelerator: a small ladder, compiled at start-up so that no
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     for command in (measure, replay, sim):
         command.add_argument("--json", default=None, help="write the record here")
     args = parser.parse_args(argv)
+    try:
+        for flag in ("--json", "--out", "--samples"):
+            check_output(flag, getattr(args, flag[2:], None))
+    except ValueError as error:
+        parser.error(str(error))
     if args.command == "measure":
         record = run_measure(args)
     else:

@@ -32,6 +32,7 @@ from jaxllm.cache import CacheStats
 from jaxllm.cache.eviction import POLICIES
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV, Platform
 from jaxllm.research.bound import physical_bound
+from jaxllm.research.sim_report import check_output
 from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
 
 # nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].
@@ -216,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.workload and ignored:
         parser.error(f"{', '.join(ignored)} do not apply to a --workload: it runs whole")
+    try:
+        check_output("--json", args.json)
+    except ValueError as error:
+        parser.error(str(error))
     requests = None
     if args.workload:
         try:
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or "random:qwen3-tiny"
         num_seqs, max_in, max_out = 16, 256, 128
         engine_kwargs = {"max_num_seqs": 16, "max_model_len": 512, "max_num_batched_tokens": 2048}
-        print("No accelerator: a small workload on the CPU (16 sequences), not nano-vllm's.")
+        print("No accelerator: a small workload on the CPU, not nano-vllm's.")
     num_seqs = args.num_seqs or num_seqs
     max_in = args.max_input_len or max_in
     max_out = args.max_output_len or max_out

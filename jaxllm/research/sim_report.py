@@ -1,6 +1,7 @@
 """The simulator's reports: a text table, CSV, JSON and a PNG plot of `cache_sim.SimResult`s.
 
-`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them.
+`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them. `check_output`: the
+scripts' check of a file they will write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import numpy as np
 
 if TYPE_CHECKING:
     from jaxllm.research.cache_sim import SimResult
+
+
+def check_output(flag: str, path: str | Path | None) -> None:
+    """Raises ValueError where `path`, the file a command-line `flag` writes, cannot be one: its
+    directory missing, or a directory itself; for before the work (None or "": no output)."""
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a directory, not a file")
+    if not Path(path).absolute().parent.is_dir():
+        raise ValueError(f"{flag} {path}: no such directory")
 
 
 def latency_cdf(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -120,6 +120,8 @@ def test_bench_repeat_needs_fixed_lengths(capsys):
         (["--groups", "3", "--output-len", "7"], "--groups, --output-len apply to a --workload"),
         (["--fixed-lengths", "8", "4", "--max-output-len", "300"], "do not apply to --fixed"),
         (["--fixed-lengths", "8", "4", "--repeat", "2"], "--repeat takes an odd count"),
+        (["--json", "no/such/dir/run.json"], "--json no/such/dir/run.json: no such directory"),
+        (["--json", "."], "--json .: a directory, not a file"),
     ],
 )
 def test_bench_refuses_flags_it_would_ignore_or_trip_on(argv, message, capsys):

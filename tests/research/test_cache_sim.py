@@ -279,6 +279,8 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
         ("--step-time=nan", "--step-time must be a finite number >= 0"),
         ("--request-rate=5", "the workload has no requests"),  # with --groups=0 (below)
         ("--csv=no/such/dir/out.csv", "--csv no/such/dir/out.csv: no such directory"),
+        ("--json=scripts", "--json scripts: a directory, not a file"),
+        ("--policies=,", "--policies names no policy: ','"),
         ("--max-model-len=8", "leaves no room for an output token"),
         ("--cache-blocks=1", "KV blocks of 256 tokens, but the whole cache has 1"),
         ("--trace=no/such/trace.jsonl", "no/such/trace.jsonl"),
