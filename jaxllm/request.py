@@ -81,12 +81,7 @@ class Request:
     ) -> SampleLogprobs | None:
         """Completion `index`'s logprobs of its output tokens `start:stop`, as its output holds
         them; None unless its params ask for them."""
-        seq = self.seqs[index]
-        wanted = seq.params.logprobs
-        if wanted is None:
-            return None
-        tokens, rows = seq.output_token_ids[start:stop], seq.output_logprobs[start:stop]
-        return _logprobs(tokens, rows, wanted, token_texts, seq.params.detokenize)
+        return _output_logprobs(self.seqs[index], token_texts, start, stop)
 
 
 def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs | None:
@@ -113,9 +108,9 @@ def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> Completio
             detokenizer = IncrementalDetokenizer(token_texts.tokenizer, params.skip_special_tokens)
             detokenizer.step(kept)
             text = detokenizer.text
-    logprobs = cumulative_logprob = None
-    if params.logprobs is not None:
-        logprobs = _logprobs(tokens, rows, params.logprobs, token_texts, params.detokenize)
+    logprobs = _output_logprobs(seq, token_texts)
+    cumulative_logprob = None
+    if logprobs is not None:
         cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
     return CompletionOutput(
         index=index,
@@ -142,6 +137,16 @@ def _stop_reason(
     if last == eos and not seq.params.ignore_eos:
         return None
     return last if last in seq.stop_token_ids else None
+
+
+def _output_logprobs(
+    seq: Sequence, token_texts: TokenTexts, start: int = 0, stop: int | None = None
+) -> SampleLogprobs | None:
+    """`seq`'s logprobs of its output tokens `start:stop`; None unless its params ask for them."""
+    if seq.params.logprobs is None:
+        return None
+    tokens, rows = seq.output_token_ids[start:stop], seq.output_logprobs[start:stop]
+    return _logprobs(tokens, rows, seq.params.logprobs, token_texts, seq.params.detokenize)
 
 
 def _logprobs(

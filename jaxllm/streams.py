@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxllm.detokenizer import IncrementalDetokenizer
-from jaxllm.outputs import RequestOutput, StreamDelta
+from jaxllm.outputs import PromptLogprobs, RequestOutput, StreamDelta
 from jaxllm.request import Request, TokenTexts
 
 
@@ -74,7 +74,7 @@ class RequestStream:
             deltas.append(delta)
         return deltas
 
-    def _prompt_logprobs(self, index: int, output: RequestOutput | None):
+    def _prompt_logprobs(self, index: int, output: RequestOutput | None) -> PromptLogprobs | None:
         """The prompt's logprobs, for completion 0's first delta (None for the others)."""
         if index or self._prompt_logprobs_sent:
             return None
