@@ -3,8 +3,9 @@
 
 One prompt is:
   - a string: text, which the caller tokenizes;
-  - token ids: a list or tuple of integers (numpy's included, bools not), or a 1-d array of an
-    integer dtype (numpy's, or another library's that numpy reads: jax's, a CPU torch tensor);
+  - token ids: a list or tuple of integers (numpy's and 0-d integer arrays included, bools
+    not), or a 1-d array of an integer dtype (numpy's, or another library's that numpy reads:
+    jax's, a CPU torch tensor);
   - vLLM's `TextPrompt` {"prompt": str} or `TokensPrompt` {"prompt_token_ids": token ids}, which
     may hold the "prompt" its ids came from (the output's prompt).
 
@@ -63,7 +64,7 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
     ) or not isinstance(prompts, Sequence | Iterator):
         return [_parse_one(prompts, 0)]
     items = list(prompts)
-    if items and isinstance(items[0], int | float | np.number | np.bool_):
+    if items and isinstance(_scalar(items[0]), int | float | np.number | np.bool_):
         return [_parse_one(items, 0)]  # one prompt of token ids
     return [_parse_one(prompt, index) for index, prompt in enumerate(items)]
 
@@ -122,6 +123,12 @@ def _host_array(value: object) -> object:
         return value
 
 
+def _scalar(value: object) -> object:
+    """A 0-d array (numpy's or another library's) as its numpy scalar; anything else as it is."""
+    value = _host_array(value)
+    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
 def _text(text: str, index: int) -> str:
     """`text` as a plain str, if it is Unicode the tokenizer can encode (no lone surrogate)."""
     try:
@@ -143,6 +150,8 @@ def _token_ids(tokens: list | tuple | np.ndarray, index: int) -> list[int]:
             )
         return tokens.tolist()
     token_ids = [as_int(token) for token in tokens]
+    if None in token_ids:  # 0-d arrays (a jax array's elements) read as numpy scalars
+        token_ids = [as_int(_scalar(token)) for token in tokens]
     if None in token_ids:
         position = token_ids.index(None)
         raise ValueError(

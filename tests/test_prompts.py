@@ -40,6 +40,12 @@ ACCEPTED = {
     "jax arrays": ([jnp.array(TOKENS), jnp.array(TOKENS, jnp.uint32)], [TOKEN_PROMPT] * 2),
     "TokensPrompt of a jax array": ({"prompt_token_ids": jnp.array(TOKENS)}, ONE_TOKEN_PROMPT),
     "a torch tensor": (torch.tensor(TOKENS), ONE_TOKEN_PROMPT),
+    "a list of jax scalars": (list(jnp.array(TOKENS)), ONE_TOKEN_PROMPT),
+    "lists of jax scalars": ([list(jnp.array(TOKENS))] * 2, [TOKEN_PROMPT] * 2),
+    "TokensPrompt of jax scalars": (
+        {"prompt_token_ids": list(jnp.array(TOKENS))},
+        ONE_TOKEN_PROMPT,
+    ),
 }
 
 
@@ -106,6 +112,14 @@ REFUSED = {
     "a 2-d jax array": (jnp.ones((2, 3), jnp.int32), r"prompt 0: .*got shape \(2, 3\) of int32"),
     "a float jax array": ([jnp.array([1.5])], r"prompt 0: .*1-d of an integer dtype, .*float32"),
     "a 0-d array": ([TOKENS, np.array(3)], r"prompt 1: .*got shape \(\) of int"),
+    "a float jax scalar": (
+        [[3, jnp.array(1.5)]],
+        r"prompt 0: token ids must be integers .*1.5.* at position 1",
+    ),
+    "a bool jax scalar": (
+        [jnp.array(True), 3],
+        r"prompt 0: token ids must be integers .*True.* at position 0",
+    ),
     "a bool array": (np.array([True]), "must be 1-d of an integer dtype, got shape .* of bool"),
     "a number": (7, "prompt 0: expected a string, token ids .*got int 7"),
     "None": (None, "prompt 0: expected .*got NoneType None"),
