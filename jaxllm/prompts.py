@@ -124,9 +124,12 @@ def _host_array(value: object) -> object:
 
 
 def _scalar(value: object) -> object:
-    """A 0-d array (numpy's or another library's) as its numpy scalar; anything else as it is."""
+    """A 0-d array (numpy's or another library's) as its numpy scalar; anything else as it is
+    (not copied to the host)."""
+    if getattr(value, "ndim", None) != 0:
+        return value
     value = _host_array(value)
-    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+    return value[()] if isinstance(value, np.ndarray) else value
 
 
 def _text(text: str, index: int) -> str:
