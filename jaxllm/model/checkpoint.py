@@ -224,27 +224,25 @@ def load_orbax_checkpoint(
 def available_memory_bytes(device: jax.Device | None = None) -> int:
     """Bytes free for new arrays on `device` (default: the first): its `memory_stats()` limit
     less what is in use, or for a device without them (a CPU) the host's available memory."""
-    stats = (device or jax.devices()[0]).memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    with contextlib.suppress(OSError, ValueError):
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # "MemAvailable:  123456 kB"
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return _memory_bytes(device, whole=False)
 
 
 def memory_bytes(device: jax.Device | None = None) -> int:
     """Bytes `device` (default: the first) holds in all: its `memory_stats()` limit, or for a
     device without them (a CPU) the host's memory."""
+    return _memory_bytes(device, whole=True)
+
+
+def _memory_bytes(device: jax.Device | None, whole: bool) -> int:
     stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" in stats:
-        return stats["bytes_limit"]
+        return stats["bytes_limit"] - (0 if whole else stats.get("bytes_in_use", 0))
+    field, pages = ("MemTotal:", "SC_PHYS_PAGES") if whole else ("MemAvailable:", "SC_AVPHYS_PAGES")
     with contextlib.suppress(OSError, ValueError):
         for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024  # "MemAvailable:  123456 kB"
+    return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits(what: str, bytes_per_device: int, mesh: Mesh, whole: bool = False) -> None:
