@@ -277,8 +277,9 @@ def check_params_fit(config: Qwen3Config, mesh: Mesh, whole: bool = False) -> No
     check_fits(what, param_bytes(config, tp), mesh, whole)
 
 
-def _saved(path_or_preset: str | Path) -> tuple[str, Qwen3Config]:
-    """The kind of `path_or_preset` ("random", "orbax" or "hf") and its config as saved.
+def _saved(path_or_preset: str | Path, dtype: str | None = None) -> tuple[str, Qwen3Config]:
+    """The kind of `path_or_preset` ("random", "orbax" or "hf") and its config as saved; a
+    Hugging Face one's of dtype `dtype` if given (its dtype may be one jaxllm does not run).
 
     Raises:
         ValueError: an unknown preset or unsupported model.
@@ -293,7 +294,7 @@ def _saved(path_or_preset: str | Path) -> tuple[str, Qwen3Config]:
     if (path / CONFIG_FILE).exists():
         return "orbax", _saved_config(path)
     if (path / "config.json").exists():
-        return "hf", Qwen3Config.from_hf(path)
+        return "hf", Qwen3Config.from_hf(path, dtype)
     raise CheckpointError(
         f"{path_or_preset} is neither a Hugging Face checkpoint (config.json), an orbax "
         f"checkpoint ({CONFIG_FILE}) nor a `{RANDOM_PREFIX}<preset>` name (presets: "
@@ -320,7 +321,7 @@ def load_params(
         CheckpointError: a directory that is not a checkpoint or does not match its config.
     """
     mesh = mesh or make_mesh(1)
-    kind, saved = _saved(path_or_preset)
+    kind, saved = _saved(path_or_preset, dtype)
     config = saved.replace(dtype=dtype or saved.dtype)
     if kind == "orbax":
         # NOTE: read in the saved dtype, then cast: the wider of the two bounds the memory.
@@ -341,7 +342,7 @@ def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> Qw
     Raises:
         ValueError, CheckpointError: as `load_params`.
     """
-    kind, saved = _saved(path_or_preset)
+    kind, saved = _saved(path_or_preset, dtype)
     config, path = saved.replace(dtype=dtype or saved.dtype), Path(path_or_preset).absolute()
     if kind == "hf":
         check_hf_checkpoint(path, config)
@@ -361,5 +362,5 @@ def load_config(path_or_preset: str | Path, dtype: str | None = None) -> Qwen3Co
     Raises:
         ValueError, CheckpointError: as `_saved`.
     """
-    saved = _saved(path_or_preset)[1]
+    saved = _saved(path_or_preset, dtype)[1]
     return saved.replace(dtype=dtype or saved.dtype)

@@ -70,12 +70,15 @@ class Qwen3Config:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> Qwen3Config:
-        """Reads a Hugging Face Qwen3 `config.json` (a file, its directory, or its parsed dict).
+    def from_hf(
+        cls, path_or_dict: str | Path | dict[str, Any], dtype: str | None = None
+    ) -> Qwen3Config:
+        """Reads a Hugging Face Qwen3 `config.json` (a file, its directory, or its parsed dict);
+        `dtype` replaces the config's (which may then be one jaxllm does not run, e.g. float64).
 
         Raises:
             ValueError: not a JSON object, a required size missing, or the architecture, model
-                type or a feature not supported.
+                type, a feature or (without `dtype`) the dtype not supported.
         """
         hf, name = path_or_dict, "config.json"
         if not isinstance(hf, dict):
@@ -121,6 +124,12 @@ class Qwen3Config:
         rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if rotary != 1:
             raise ValueError(f"unsupported Qwen3 config: partial_rotary_factor={rotary!r}")
+        saved_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        if dtype is None and saved_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name} has dtype {saved_dtype!r}, which jaxllm does not run; pass dtype= one "
+                f"of {', '.join(SUPPORTED_DTYPES)} to convert the weights"
+            )
         num_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
@@ -135,7 +144,7 @@ class Qwen3Config:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 32_768),
-            dtype=hf.get("torch_dtype") or hf.get("dtype") or "float32",
+            dtype=dtype or saved_dtype,
         )
 
 

@@ -35,8 +35,8 @@ from jaxllm.model.sharding import make_mesh
 INDEX_FILE = "model.safetensors.index.json"
 # A CheckpointError lists this many problems at most (a config of 10^5 layers has millions).
 MAX_PROBLEMS_SHOWN = 50
-# The safetensors dtypes a weight may have: float32, bfloat16, float16.
-FLOAT_DTYPES = ("F32", "BF16", "F16")
+# The safetensors dtypes a weight may have (read into the model's dtype).
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class CheckpointError(ValueError):
@@ -236,8 +236,7 @@ def load_hf_checkpoint(
         ValueError: the config.json describes an unsupported model, or one the mesh can't split.
     """
     path = Path(path)
-    config = Qwen3Config.from_hf(path)
-    config = config.replace(dtype=dtype or config.dtype)
+    config = Qwen3Config.from_hf(path, dtype)
     expected = expected_tensors(config, abstract_params(config))
     leaves = flatten_dict(sharded_param_shapes(config, mesh or make_mesh(1)))
 

@@ -162,6 +162,28 @@ def test_dtype_conversion_both_ways(checkpoint):
     np.testing.assert_array_equal(params32["embed"], np.asarray(params["embed"], np.float32))
 
 
+def test_a_float64_checkpoint_loads_in_the_dtype_asked_for(checkpoint):
+    """jaxllm runs no float64: such a checkpoint is refused naming config.json and dtype=,
+    and read converted with dtype= (float32 here: the same values, as they came from it)."""
+    _, float32_params = load_hf_checkpoint(checkpoint)
+
+    def to_float64(tensors):
+        for name, tensor in tensors.items():
+            tensors[name] = tensor.astype(np.float64)
+
+    rewrite(checkpoint, to_float64)
+    edit_config(checkpoint, dtype="float64", torch_dtype="float64")
+    refused = r"config.json has dtype 'float64', which jaxllm does not run; pass dtype= one of"
+    for start in (load_params, checkpoint_module.load_config, jaxllm.LLM):
+        with pytest.raises(ValueError, match=refused):
+            start(str(checkpoint))
+    assert checkpoint_module.check_checkpoint(checkpoint, "float32").dtype == "float32"
+    assert checkpoint_module.load_config(checkpoint, "bfloat16").dtype == "bfloat16"
+    config, params = load_params(str(checkpoint), "float32")
+    assert config.dtype == "float32"
+    jax.tree.map(np.testing.assert_array_equal, params, float32_params)
+
+
 def test_integer_and_bool_tensors_are_named_before_any_data_is_read(checkpoint, monkeypatch):
     def to_integers(tensors):
         name = "model.layers.0.self_attn.q_norm.weight"
