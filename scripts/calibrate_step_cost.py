@@ -93,8 +93,8 @@ def progress(message: str) -> None:
     print(f"[{time.perf_counter() - START:6.1f} s] {message}", flush=True)
 
 
-def build_llm(args: argparse.Namespace):
-    from jaxllm import LLM
+def engine_settings(args: argparse.Namespace) -> tuple[str, dict]:
+    """The model and `LLM`'s arguments the flags ask for on this machine."""
     from jaxllm.platform import Platform
 
     gpu = Platform.detect().backend != "cpu"
@@ -103,6 +103,13 @@ def build_llm(args: argparse.Namespace):
     for flag, name in ENGINE_FLAGS.items():
         if getattr(args, flag) is not None:
             kwargs[name] = getattr(args, flag)
+    return model, kwargs
+
+
+def build_llm(args: argparse.Namespace):
+    from jaxllm import LLM
+
+    model, kwargs = engine_settings(args)
     llm = LLM(model, **kwargs)
     progress(f"engine built: {model}, {llm.engine.scheduler.config}")
     return model, llm
@@ -153,20 +160,31 @@ def read_inputs(
     except (ValueError, ImportError, AttributeError, OSError) as error:
         parser.error(str(error))
     args.load_seconds = time.perf_counter() - start
+    if args.command == "replay":
+        # NOTE: the engine's default max_model_len follows from the model: checked once built.
+        limit = engine_settings(args)[1].get("max_model_len")
+        if limit is not None:
+            check_prompts_fit(parser, requests, limit)
     return model, requests
 
 
+def check_prompts_fit(parser: argparse.ArgumentParser, requests: list[Request], limit: int):
+    longest = max(request.num_prompt_tokens for request in requests)
+    if longest >= limit:
+        parser.error(
+            f"the trace's longest prompt has {longest} tokens; max_model_len is {limit} "
+            "(--max-model-len, or a smaller --hash-block-size)"
+        )
+
+
 def run_replay(
-    args: argparse.Namespace, model: StepCostModel | None, requests: list[Request]
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    model: StepCostModel | None,
+    requests: list[Request],
 ) -> dict:
     model_name, llm = build_llm(args)
-    max_model_len = llm.engine.scheduler.config.max_model_len
-    longest = max(request.num_prompt_tokens for request in requests)
-    if longest >= max_model_len:
-        sys.exit(
-            f"calibrate_step_cost.py: error: the trace's longest prompt has {longest} tokens; "
-            f"max_model_len is {max_model_len} (--max-model-len, or a smaller --hash-block-size)"
-        )
+    check_prompts_fit(parser, requests, llm.engine.scheduler.config.max_model_len)
     if model is not None:
         report = None
         phase_options = {"decode_steps": args.decode_steps, "repeats": args.repeats}
@@ -253,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, requests = read_inputs(parser, args)
         if args.command == "replay":
-            record = run_replay(args, model, requests)
+            record = run_replay(parser, args, model, requests)
         else:
             try:  # NOTE: the simulator refuses settings too small for the trace, as ValueErrors
                 record = run_simulate(args, model, requests)

@@ -134,6 +134,7 @@ def test_script_simulate_takes_a_policy_class_and_refuses_bad_flags(tmp_path):
         ("simulate", ["--num-requests=0"], "num_requests must be >= 1, got 0"),
         ("replay", ["--cost-model=missing.json"], "missing.json"),
         ("replay", ["--trace=missing.jsonl"], "missing.jsonl"),
+        ("replay", ["--hash-block-size=512"], "tokens; max_model_len is 256 (--max-model-len"),
         ("simulate", ["--json=no/such/dir/x.json"], "--json no/such/dir/x.json: no such directory"),
         ("replay", ["--out=."], "--out .: a directory, not a file"),
     ]
