@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from decode_step import timed  # scripts/decode_step.py
 
+from jaxllm.research.sim_report import at_least
+
 HEADS, KV_HEADS, DIM = 16, 8, 128
 
 
@@ -50,15 +52,17 @@ def main() -> None:
     cases = ["256x512", "256x1024", "256x2048", "256x100-2048", "32x1024"]
     parser.add_argument("--cases", nargs="+", default=cases, help="batch x context[-max]")
     parser.add_argument("--sweep", choices=["splits", "launch"], default="splits")
-    parser.add_argument("--repeat", type=int, default=28, help="calls per timed run")
+    parser.add_argument("--repeat", type=at_least(1), default=28, help="calls per timed run")
     parser.add_argument(
-        "--table-width", type=int, default=16, help="blocks; 0: the power of two a case needs"
-    )
-    parser.add_argument("--page-sizes", type=int, nargs="+", default=[256])
+        "--table-width", type=at_least(0), default=16,
+        help="blocks; 0: the power of two a case needs",
+    )  # fmt: skip
+    parser.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     parser.add_argument(
-        "--splits", type=int, nargs="+", default=[1, 4, 8], help="key splits beside the default"
-    )
+        "--splits", type=at_least(1), nargs="+", default=[1, 4, 8],
+        help="key splits beside the default",
+    )  # fmt: skip
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []

@@ -23,6 +23,7 @@ from jaxllm.model.config import PRESETS
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward, init_params
+from jaxllm.research.sim_report import at_least
 
 BLOCK_SIZE, TILE = 256, 128
 
@@ -67,7 +68,7 @@ def relative_error(actual, expected) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 28])
+    parser.add_argument("--layers", type=at_least(1), nargs="+", default=[4, 28])
     args = parser.parse_args()
     for num_layers in args.layers:
         config = PRESETS[args.model].replace(num_layers=num_layers, dtype="bfloat16")

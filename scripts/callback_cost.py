@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxllm.research.sim_report import at_least
+
 VOCAB = 151_936
 WORDS = -(-VOCAB // 32)
 
@@ -49,10 +51,10 @@ def loop(weights, embed, mask, steps: int, callback: bool):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--steps", type=at_least(1), default=64)
+    parser.add_argument("--rows", type=at_least(1), default=1)
+    parser.add_argument("--width", type=at_least(1), default=1024)
+    parser.add_argument("--repeat", type=at_least(1), default=20)
     args = parser.parse_args(argv)
     key = jax.random.key(0)
     weights = jax.random.normal(key, (args.width, args.width), jnp.bfloat16) / args.width**0.5

@@ -34,6 +34,7 @@ from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
 from jaxllm.model.sampler import sample
 from jaxllm.platform import ATTENTION_BACKENDS, Platform
+from jaxllm.research.sim_report import at_least
 
 
 def timed(fn, *args, repeats: int = 20) -> float:
@@ -140,8 +141,8 @@ def decode_inputs(contexts: np.ndarray, block_size: int, width: int, num_blocks:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch", type=at_least(1), default=256)
+    parser.add_argument("--context", type=at_least(1), default=1024)
     parser.add_argument(
         "--min-context",
         type=int,
@@ -151,7 +152,9 @@ def main() -> None:
     parser.add_argument(
         "--attention", choices=ATTENTION_BACKENDS, default=None, help="default: the platform's"
     )
-    parser.add_argument("--table-width", type=int, default=None, help="default: the engine's")
+    parser.add_argument(
+        "--table-width", type=at_least(1), default=None, help="default: the engine's"
+    )
     parser.add_argument("--profile", action="store_true", help="trace steps, sum kernel times")
     args = parser.parse_args()
 

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxllm import LLM, SamplingParams, steps
+from jaxllm.research.sim_report import at_least
 from jaxllm.steps import pack
 
 
@@ -86,16 +87,16 @@ def host_events(trace_dir: str, calls: int) -> list[tuple[str, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--batch", type=at_least(1), default=256)
+    parser.add_argument("--context", type=at_least(1), default=1024)
+    parser.add_argument("--runs", type=at_least(1), default=50)
     parser.add_argument("--generate", action="store_true")
     parser.add_argument("--addresses", action="store_true")
     parser.add_argument("--readback", action="store_true")
     parser.add_argument("--mask-us", type=float, default=100.0)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=500)
-    parser.add_argument("--max-tokens", type=int, default=150)
+    parser.add_argument("--prompts", type=at_least(1), default=256)
+    parser.add_argument("--prompt-len", type=at_least(1), default=500)
+    parser.add_argument("--max-tokens", type=at_least(1), default=150)
     args = parser.parse_args()
     if args.generate:
         in_generate(args.model, args.prompts, args.prompt_len, args.max_tokens)

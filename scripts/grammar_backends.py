@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.research.bench import BENCH_SCHEMA
+from jaxllm.research.sim_report import at_least
 from jaxllm.tokenizer import qwen3_tokenizer
 
 VOCAB_SIZE = 151_936  # Qwen3's embedding rows (the tokenizer has 151,669 tokens)
@@ -119,10 +120,10 @@ def summary(setup_s, compile_s, fill, accept, errors) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rows", type=at_least(1), default=256)
+    parser.add_argument("--steps", type=at_least(1), default=200)
     parser.add_argument(
-        "--threads", type=int, nargs="*", default=[],
+        "--threads", type=at_least(1), nargs="*", default=[],
         help="llguidance's thread counts to time besides its default, as many compiled copies",
     )  # fmt: skip
     parser.add_argument("--no-max-length", action="store_true", help="strings of any length")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxllm.research.sim_report import at_least
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
 
@@ -112,10 +113,8 @@ def bench_prefill(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--iterations", type=at_least(1), default=300)
     args = parser.parse_args()
-    if args.iterations < 1:
-        parser.error(f"--iterations must be at least 1, got {args.iterations}")
     results = bench_decode(args.iterations) | bench_decode(args.iterations, num_seqs=1)
     results |= bench_prefill("prefill-1x16384", 16384, 1, args.iterations)
     results |= bench_prefill("prefill-16x1024", 1024, 16, args.iterations)

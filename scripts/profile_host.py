@@ -26,13 +26,14 @@ from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV
 from jaxllm.research.bench import BENCH_SCHEMA, workload
+from jaxllm.research.sim_report import at_least
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
     parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None)
-    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--num-seqs", type=at_least(1), default=256)
     parser.add_argument("--device", action="store_true", help="trace the device, not the host")
     parser.add_argument(
         "--json-schema", action="store_true", help="every request under bench.py's JSON schema"

@@ -27,6 +27,7 @@ from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.engine import Engine
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.research.bench import BENCH_SCHEMA, fixed_workload
+from jaxllm.research.sim_report import at_least
 from jaxllm.runner import ModelRunner
 from jaxllm.sched import Scheduler
 from jaxllm.structured import Grammars
@@ -177,14 +178,14 @@ def trace(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=12, help="decode steps shown")
+    parser.add_argument("--num-seqs", type=at_least(1), default=1)
+    parser.add_argument("--steps", type=at_least(1), default=12, help="decode steps shown")
     parser.add_argument("--json-schema", action="store_true")
-    parser.add_argument("--num-scheduler-steps", type=int, default=None)
+    parser.add_argument("--num-scheduler-steps", type=at_least(1), default=None)
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--from-trace", default=None, help="a trace's folder: no run")
     parser.add_argument("--around", default=None, help="an annotated call's label (`around`)")
-    parser.add_argument("--index", type=int, default=2, help="which call `--around` shows")
+    parser.add_argument("--index", type=at_least(0), default=2, help="which call `--around` shows")
     args = parser.parse_args()
     trace_dir = args.from_trace or trace(args)
     spans, kernels = events(trace_dir)

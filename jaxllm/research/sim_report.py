@@ -1,14 +1,15 @@
 """The simulator's reports: a text table, CSV, JSON and a PNG plot of `cache_sim.SimResult`s.
 
-`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them. `check_output`: the
-scripts' check of a file they will write.
+`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them. `check_output` and
+`at_least`: the scripts' checks of their flags (a file they will write, a count).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,22 @@ def check_output(flag: str, path: str | Path | None) -> None:
         raise ValueError(f"{flag} {path}: a directory, not a file")
     if not Path(path).absolute().parent.is_dir():
         raise ValueError(f"{flag} {path}: no such directory")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `minimum`; anything else is the flag's usage
+    error (exit 2), before any work."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def latency_cdf(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
