@@ -150,7 +150,8 @@ def read_inputs(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[StepCostModel | None, list[Request]]:
     """--policy, --cost-model and the trace of `replay` or `simulate`, read before anything
-    runs: a usage error where one is bad."""
+    runs: a usage error where one is bad, or where a replay's trace is too long for the
+    max_model_len its flags give (on a CPU always)."""
     try:
         if args.command == "simulate":
             args.policy = policy_from_spec(args.policy)
@@ -168,7 +169,8 @@ def read_inputs(
     return model, requests
 
 
-def check_prompts_fit(parser: argparse.ArgumentParser, requests: list[Request], limit: int):
+def check_prompts_fit(parser: argparse.ArgumentParser, requests: list[Request], limit: int) -> None:
+    """A usage error where a prompt of the trace is too long for the engine's max_model_len."""
     longest = max(request.num_prompt_tokens for request in requests)
     if longest >= limit:
         parser.error(
