@@ -53,8 +53,11 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         kwargs = EngineConfig.check_kwargs(kwargs)
         check_model(model)
-        gc.collect()  # NOTE: engines dropped before free their device memory first
         platform = Platform.detect()
+        # NOTE: a GPU's KV cache is sized from free memory, so engines dropped before free
+        # theirs first; a CPU's has a fixed size, and a full collection there can take a second.
+        if platform.gpu:
+            gc.collect()
         self.model, config = engine_settings(model, kwargs, platform)
         self.engine = start_engine(self.model, config, platform)
         self.config = self.engine.config
