@@ -237,8 +237,8 @@ def load_hf_checkpoint(
     """
     path = Path(path)
     config = Qwen3Config.from_hf(path, dtype)
-    expected = expected_tensors(config, abstract_params(config))
-    leaves = flatten_dict(sharded_param_shapes(config, mesh or make_mesh(1)))
+    shapes = sharded_param_shapes(config, mesh or make_mesh(1))
+    expected, leaves = expected_tensors(config, shapes), flatten_dict(shapes)
 
     with contextlib.ExitStack() as stack:
         handles = _open_checked(path, config, expected, stack)
