@@ -166,6 +166,9 @@ def _boxed_layer(config: Qwen3Config, key: jax.Array) -> Params:
     return DecoderLayer(config).init(key, x, cache, 0, cos, sin, _dummy_inputs())["params"]
 
 
+# NOTE: remembered per config (a pure function of it, traced through the modules), as every
+# engine start and checkpoint load asks for it; callers get trees mapped from it, never it.
+@functools.lru_cache(maxsize=8)
 def _boxed_shapes(config: Qwen3Config) -> Params:
     """The param tree as shapes wrapped with their logical axes; one layer's computed once."""
     key = jax.random.key(0)
