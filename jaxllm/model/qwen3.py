@@ -179,11 +179,7 @@ def _boxed_shapes(config: Qwen3Config) -> Params:
 
 def param_specs(config: Qwen3Config) -> Params:
     """The param tree of mesh `PartitionSpec`s, from each weight's logical axes."""
-    return _specs(_boxed_shapes(config))
-
-
-def _specs(boxed: Params) -> Params:
-    logical = nn.get_partition_spec(boxed)
+    logical = nn.get_partition_spec(_boxed_shapes(config))
     return jax.tree.map(lambda spec: logical_to_spec(tuple(spec)), logical)
 
 
@@ -201,10 +197,8 @@ def abstract_params(config: Qwen3Config) -> Params:
 
 def sharded_param_shapes(config: Qwen3Config, mesh: Mesh) -> Params:
     """The param tree as `jax.ShapeDtypeStruct`s sharded over `mesh`; allocates nothing."""
-    check_tensor_parallel(config, tensor_parallel_size(mesh))
-    boxed = _boxed_shapes(config)
-    place = lambda leaf, spec: leaf.update(sharding=NamedSharding(mesh, spec))
-    return jax.tree.map(place, nn.meta.unbox(boxed), _specs(boxed))
+    shardings = param_shardings(config, mesh)
+    return jax.tree.map(lambda leaf, s: leaf.update(sharding=s), abstract_params(config), shardings)
 
 
 def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Params:
