@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from decode_step import timed  # scripts/decode_step.py
 
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
 

@@ -23,7 +23,7 @@ from jaxllm.model.config import PRESETS
 from jaxllm.model.inputs import ModelInputs
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward, init_params
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 BLOCK_SIZE, TILE = 256, 128
 

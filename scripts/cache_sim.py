@@ -28,7 +28,7 @@ from jaxllm.research.cache_sim import (
     write_csv,
     write_json,
 )
-from jaxllm.research.sim_report import check_output
+from jaxllm.research.flags import check_output
 from jaxllm.research.workloads import add_workload_arguments, workload_from_arguments
 
 

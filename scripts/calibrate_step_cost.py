@@ -28,8 +28,8 @@ from cache_sim import policy_from_spec  # scripts/cache_sim.py
 from jaxllm.research import calibrate
 from jaxllm.research.cache_sim import format_table, make_config, simulate
 from jaxllm.research.cost_model import H200_QWEN3_0_6B, StepCostModel
+from jaxllm.research.flags import check_output
 from jaxllm.research.mooncake import add_trace_arguments, trace_from_arguments, write_jsonl
-from jaxllm.research.sim_report import check_output
 from jaxllm.research.workloads import Request, load_trace
 
 # The engine's limits without an accelerator: a small ladder, compiled at start-up so that no

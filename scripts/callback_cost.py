@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 VOCAB = 151_936
 WORDS = -(-VOCAB // 32)

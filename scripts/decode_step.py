@@ -34,7 +34,7 @@ from jaxllm.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, forward
 from jaxllm.model.sampler import sample
 from jaxllm.platform import ATTENTION_BACKENDS, Platform
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 
 def timed(fn, *args, repeats: int = 20) -> float:

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from jaxllm import LLM, SamplingParams, steps
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 from jaxllm.steps import pack
 
 

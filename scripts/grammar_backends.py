@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.research.bench import BENCH_SCHEMA
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 from jaxllm.tokenizer import qwen3_tokenizer
 
 VOCAB_SIZE = 151_936  # Qwen3's embedding rows (the tokenizer has 151,669 tokens)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, SchedulerConfig
 

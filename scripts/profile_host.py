@@ -26,7 +26,7 @@ from decode_step import by_kind, kernel_seconds  # scripts/decode_step.py
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV
 from jaxllm.research.bench import BENCH_SCHEMA, workload
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.engine import Engine
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.research.bench import BENCH_SCHEMA, fixed_workload
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 from jaxllm.runner import ModelRunner
 from jaxllm.sched import Scheduler
 from jaxllm.structured import Grammars

@@ -32,7 +32,7 @@ from jaxllm.cache import CacheStats
 from jaxllm.cache.eviction import POLICIES
 from jaxllm.platform import ATTENTION_BACKENDS, ATTENTION_ENV, Platform
 from jaxllm.research.bound import physical_bound
-from jaxllm.research.sim_report import check_output
+from jaxllm.research.flags import check_output
 from jaxllm.research.workloads import Request, add_workload_arguments, workload_from_arguments
 
 # nano-vllm's workload draws prompt and output lengths from [MIN_LEN, max].

@@ -1,15 +1,13 @@
 """The simulator's reports: a text table, CSV, JSON and a PNG plot of `cache_sim.SimResult`s.
 
-`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them. `check_output` and
-`at_least`: the scripts' checks of their flags (a file they will write, a count).
+`cache_sim` re-exports these functions; `scripts/cache_sim.py` writes them.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,33 +15,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from jaxllm.research.cache_sim import SimResult
-
-
-def check_output(flag: str, path: str | Path | None) -> None:
-    """Raises ValueError where `path`, the file a command-line `flag` writes, cannot be one: its
-    directory missing, or a directory itself; for before the work (None or "": no output)."""
-    if not path:
-        return
-    if Path(path).is_dir():
-        raise ValueError(f"{flag} {path}: a directory, not a file")
-    if not Path(path).absolute().parent.is_dir():
-        raise ValueError(f"{flag} {path}: no such directory")
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse `type`: an integer of at least `minimum`; anything else is the flag's usage
-    error (exit 2), before any work."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def latency_cdf(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,5 @@
 """The profiling scripts refuse a count below its least value as a usage error (exit 2, naming
-the flag) before they build or time anything (`sim_report.at_least`)."""
+the flag) before they build or time anything (`flags.at_least`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.research.sim_report import at_least
+from jaxllm.research.flags import at_least
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
