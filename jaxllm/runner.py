@@ -5,8 +5,9 @@ two executables compiled ahead of time (the programs of `jaxllm.steps`): the for
 plan's bucket (KV cache donated, so updated in place) and the sampler in the variant the host
 picked (`sampler.sampler_mode`); kept apart, the sampler needs far fewer shapes, halving start-up
 compiles. A plan of several decode steps runs both in one executable, per sampler variant.
-Under tensor parallelism the forward runs in shard_map over the "tp" mesh, the sampler replicated;
-with several processes (`jax.distributed`) each runs the same steps on the same host arrays.
+Under tensor parallelism the forward pass runs in shard_map over the "tp" mesh, the sampler
+replicated; with several processes (`jax.distributed`) each runs the same steps on the same host
+arrays.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from tqdm.auto import tqdm
 
 from jaxllm import steps
 from jaxllm.executables import ExecutableStore, depends_on
-from jaxllm.model import sampler
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
@@ -39,6 +39,7 @@ from jaxllm.model.kv_cache import (
 )
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
+from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, padding_step, previous_rows
@@ -120,13 +121,11 @@ class ModelRunner:
                 processed=processed_logprobs,
             ),
             out_shardings=self._replicated,
-            compiler_options=sampler.VOCABULARY_COMPILER_OPTIONS,
         )
         self._sample = jax.jit(
             functools.partial(steps.sample_step, num_rows=max_sampled_rows),
             static_argnames="mode",
             out_shardings=(self._replicated, self._host),
-            compiler_options=sampler.VOCABULARY_COMPILER_OPTIONS,
         )
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
@@ -193,7 +192,7 @@ class ModelRunner:
         self,
         buckets: Iterable[Bucket],
         use_tqdm: bool = True,
-        sampler_modes: Iterable[str] = sampler.SAMPLER_MODES,
+        sampler_modes: Iterable[str] = SAMPLER_MODES,
         logprobs: bool = True,
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
@@ -264,7 +263,7 @@ class ModelRunner:
         """Compiles every bucket a step can have (the ladder), with the samplers of
         `STARTUP_SAMPLER_MODES` and no logprobs."""
         self.ladder = tuple(buckets)
-        self.compile(self.ladder, sampler_modes=sampler.STARTUP_SAMPLER_MODES, logprobs=False)
+        self.compile(self.ladder, sampler_modes=STARTUP_SAMPLER_MODES, logprobs=False)
 
     def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool) -> None:
         """Compiles what a step of `bucket` lacks; for the whole ladder if `bucket` is in it."""
@@ -302,7 +301,7 @@ class ModelRunner:
         while it is dispatched (the host's work in it overlaps the dispatch and the device's);
         for several, with None before the plan is dispatched (the first step's, for all)."""
         bucket, sampling = plan.bucket, plan.sampling
-        mode = sampler.sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
+        mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
         if not self._has_executables(bucket, mode, plan.logprobs):
             self._compile_for(bucket, mode, plan.logprobs)
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)

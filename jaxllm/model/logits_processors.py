@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model.inputs import FREQUENCY, IN_PROMPT, PRESENCE, REPETITION
-from jaxllm.model.sampler import VOCABULARY_COMPILER_OPTIONS
 
 
 class ProcessorState(NamedTuple):
@@ -147,9 +146,7 @@ class LogitsProcessors:
         self.state: ProcessorState | None = None
         self._sharding, self._on_devices = sharding, on_devices
         self._row_sizes, self._num_tokens = row_sizes, num_tokens
-        jit = functools.partial(
-            jax.jit, out_shardings=sharding, compiler_options=VOCABULARY_COMPILER_OPTIONS
-        )
+        jit = functools.partial(jax.jit, out_shardings=sharding)
         self._zeros = jit(functools.partial(ProcessorState.zeros, *self.shape))
         self._write = jit(write_slot, donate_argnums=0)
         self._edit = jit(edit_bias, donate_argnums=0)

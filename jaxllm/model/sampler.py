@@ -36,14 +36,6 @@ SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
 # compiled with the ladder at start-up; the runner compiles the others for the whole ladder at
 # their first use: a third of a cold start-up's compiling (docs/performance.md).
 STARTUP_SAMPLER_MODES = ("greedy", "random")
-# XLA's default optimization for the programs over the whole vocabulary (the sampler's, the
-# logprobs', the logits processors'), where XLA_FLAGS lower it for quicker compiles (the tests'
-# do): they compile in a tenth of a second and run every step. Under the tests' flags, on a
-# 2-core CPU: sampling 4 rows of 151,936 tokens 18 ms, not 40 (docs/performance.md).
-VOCABULARY_COMPILER_OPTIONS = {
-    "xla_backend_optimization_level": 3,
-    "xla_llvm_disable_expensive_passes": False,
-}
 
 
 def sampler_mode(
