@@ -38,8 +38,8 @@ from jaxllm.model.kv_cache import (
     kv_cache_shapes,
 )
 from jaxllm.model.logits_processors import LogitsProcessors
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, Params, sharded_forward
-from jaxllm.model.sampler import SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
+from jaxllm.model.qwen3 import COMPILER_OPTIONS, DEFAULT_OPTIMIZATION, Params, sharded_forward
+from jaxllm.model.sampler import ONE_PASS_MODES, SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched import Bucket, StepPlan
 from jaxllm.steps import StepResult, pack, padding_step, previous_rows
@@ -235,7 +235,7 @@ class ModelRunner:
         ] + [
             (self._sample_executables, (n, mode), functools.partial(
                 self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
-            ), options(n))
+            ), options(n) | (DEFAULT_OPTIMIZATION if mode in ONE_PASS_MODES else {}))
             for n in rows for mode in sampler_modes
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]

@@ -62,6 +62,15 @@ Params = dict[str, Any]
 # recomputes matmuls; the engine sizes the cache from the step's scratch (`step_scratch_bytes`;
 # figures in docs/performance.md).
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# XLA's default optimization, even where XLA_FLAGS lower it for quicker compiles (the tests' do),
+# for the programs that run longest for their compile: the draws of a random embedding, and the
+# sampler's one-pass variants (`runner`). Under the tests' flags on a 2-core CPU: qwen3-tiny's
+# random params in 1.6 s rather than 4.8, 4 rows of 151,936 tokens sampled in 41 ms rather than
+# 72 (docs/performance.md).
+DEFAULT_OPTIMIZATION = {
+    "xla_backend_optimization_level": 3,
+    "xla_llvm_disable_expensive_passes": False,
+}
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -211,12 +220,12 @@ def init_params(config: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) ->
     keys = jax.random.split(jax.random.key(seed), config.num_layers + 1)
     shardings = {} if mesh is None else param_shardings(config, mesh)
 
-    def made_by(boxed_init, out_shardings):
+    def made_by(boxed_init, out_shardings, options=None):
         unboxed = lambda key: nn.meta.unbox(boxed_init(config, key))
-        return jax.jit(unboxed, out_shardings=out_shardings)
+        return jax.jit(unboxed, out_shardings=out_shardings, compiler_options=options)
 
     outer = {name: value for name, value in shardings.items() if not name.startswith("layers_")}
-    params = made_by(_boxed_outer, outer or None)(keys[0])
+    params = made_by(_boxed_outer, outer or None, DEFAULT_OPTIMIZATION)(keys[0])
     make_layer = made_by(_boxed_layer, shardings.get("layers_0"))
     for i in range(config.num_layers):
         params[f"layers_{i}"] = make_layer(keys[i + 1])

@@ -32,6 +32,8 @@ GREEDY_TEMPERATURE = 1e-5
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
+# The variants that read the logits in one pass, which compile in a fraction of a second.
+ONE_PASS_MODES = ("greedy", "random")
 # The variants of greedy decoding and of SamplingParams' defaults (temperature 1, no filters),
 # compiled with the ladder at start-up; the runner compiles the others for the whole ladder at
 # their first use: a third of a cold start-up's compiling (docs/performance.md).
