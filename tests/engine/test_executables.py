@@ -21,8 +21,11 @@ from support.hf import save_checkpoint
 from jaxllm import startup
 from jaxllm.executables import STALE_DAYS, ExecutableStore
 
-# A short ladder compiled at start-up: 2 decode sizes, prefill chunks of 16 and 32 tokens.
-SETTINGS = BASE_SETTINGS | dict(max_num_seqs=2, max_num_batched_tokens=32, compile_at_startup=True)
+# A short ladder compiled at start-up: 2 decode sizes, prefill chunks of 16 and 32 tokens, tables
+# of 1 - 8 blocks (the prompts below take up to 100 + 24 tokens).
+SETTINGS = BASE_SETTINGS | dict(
+    max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, compile_at_startup=True
+)
 STEP_PROGRAMS = {"forward_step", "decode_steps", "sample_step", "logprob_step"}
 
 
