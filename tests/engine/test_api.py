@@ -31,8 +31,8 @@ from jaxllm.runner import ModelRunner
 from jaxllm.startup import engine_settings
 
 PROMPT = "The capital of France is"
-# A small ladder compiled (and warmed up) at start-up.
-# A short ladder: 2 decode sizes, prefill chunks of 16 and 32 tokens, tables of 1 - 4 blocks.
+# A small ladder compiled (and warmed up) at start-up: 2 decode sizes, prefill chunks of 16 and
+# 32 tokens, tables of 1 - 4 blocks.
 COMPILED_AT_STARTUP = BASE_SETTINGS | {
     "max_num_seqs": 2,
     "max_num_batched_tokens": 32,
