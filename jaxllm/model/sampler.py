@@ -32,7 +32,8 @@ GREEDY_TEMPERATURE = 1e-5
 CANDIDATE_BLOCK_SIZE = 32
 NUM_CANDIDATE_BLOCKS = 256
 SAMPLER_MODES = ("greedy", "random", "top-k", "filtered")
-# The variants that read the logits in one pass, which compile in a fraction of a second.
+# The variants that read the logits in one pass: they compile in a fraction of a second at any
+# optimization, so the runner compiles them at XLA's default (`qwen3.DEFAULT_OPTIMIZATION`).
 ONE_PASS_MODES = ("greedy", "random")
 # The variants of greedy decoding and of SamplingParams' defaults (temperature 1, no filters),
 # compiled with the ladder at start-up; the runner compiles the others for the whole ladder at

@@ -290,7 +290,7 @@ def test_a_walk_through_xgrammars_masks_ends_in_json_of_the_schema(text_llm, sch
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         is_eos = np.isin(allowed, eos)
         ending, others = allowed[is_eos], allowed[~is_eos]
-        ends = len(ending) and (not len(others) or draws.random() < 1 / 3)
+        ends = ending.size > 0 and (others.size == 0 or draws.random() < 1 / 3)
         token = int(ending[0] if ends else others[draws.randrange(len(others))])
         grammar.library.consume([grammar.matcher], [token])
         tokens += [token] if token not in eos else []
