@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true", help="check it on a CPU (2 layers)")
     args = parser.parse_args()
     layers = 2 if args.interpret else LAYERS
-    keys = iter(jax.random.split(jax.random.key(0), 256))
+    keys = map(functools.partial(jax.random.fold_in, jax.random.key(0)), itertools.count())
     weights = {
         name: [jax.random.normal(next(keys), shape, jnp.bfloat16) * 0.03 for _ in range(layers)]
         for name, shape in SHAPES.items()
