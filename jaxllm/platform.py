@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jaxllm.model import decode_attention, flash_attention, matmul_kernel
+from jaxllm.model import decode_attention, flash_attention
 from jaxllm.model.attention import Kernels
 
 ATTENTION_ENV = "JAXLLM_ATTENTION_BACKEND"
@@ -144,7 +144,6 @@ class Platform:
             decode=backend,
             interpret=not self.nvidia,
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
-            small_matmul_rows=matmul_kernel.MAX_ROWS if self.nvidia else 0,
         )
 
     @property

@@ -7,7 +7,6 @@
 #   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh kernels:--cases,1x512,--splits,8,32,64  # the decode kernel's splits
-#   bash scripts/device_run.sh skinny:--sweep,--rows,8,1,16  # matmuls of a few rows: XLA vs Pallas
 #   bash scripts/device_run.sh startup  # cold and warm start-up: imports, phases, compilations
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
 #   bash scripts/device_run.sh forward-call:--addresses,--batch,1,--context,512  # by input addresses
@@ -133,9 +132,6 @@ for stage in "$@"; do
     kernels:*)  # kernels:<attention_kernels.py arguments, comma-separated>
       args=${stage#kernels:}
       logged "kernels${args//,/}" 60 $ONE_GPU python3 scripts/attention_kernels.py ${args//,/ } ;;
-    skinny:*)  # skinny:<skinny_gemm.py arguments, comma-separated>: matmuls of a few rows
-      args=${stage#skinny:}
-      logged "skinny${args//,/}" 80 $ONE_GPU python3 scripts/skinny_gemm.py ${args//,/ } ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
     grammar-backends) logged "$stage" 30 python3 scripts/grammar_backends.py \
       --json "$RECORDS/$stage.json" ;;

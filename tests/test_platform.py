@@ -7,15 +7,13 @@ import pytest
 
 from jaxllm.model.attention import Kernels
 from jaxllm.model.decode_attention import tile_rows
-from jaxllm.model.matmul_kernel import MAX_ROWS
 from jaxllm.platform import ATTENTION_ENV, CUBLAS_FROM_ROWS, Platform
 
 CPU = Platform("cpu", "cpu")
 H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
 H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
 ROCM = Platform("gpu", "AMD Instinct MI300X")
-# What every NVIDIA GPU's kernels carry.
-NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS, "small_matmul_rows": MAX_ROWS}
+NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS}  # what every NVIDIA GPU's kernels carry
 
 
 def test_kernel_tiles():

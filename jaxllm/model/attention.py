@@ -40,15 +40,12 @@ class Kernels:
         interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
         cublas_from_rows: steps of this many rows or more run their matmuls on cuBLAS, not on
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
-        small_matmul_rows: steps of at most this many rows run their layers' projections on
-            jaxllm's Pallas kernel (`matmul_kernel.py`); 0: on XLA's at any size.
     """
 
     prefill: str = "reference"
     decode: str = "reference"
     interpret: bool = False
     cublas_from_rows: int | None = None
-    small_matmul_rows: int = 0
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):

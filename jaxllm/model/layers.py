@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model import matmul_kernel, qkv_kernel
+from jaxllm.model import qkv_kernel
 from jaxllm.model.attention import PORTABLE, Kernels, attend
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
@@ -92,17 +92,6 @@ def rotary_cos_sin(
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def project(x: jax.Array, w: jax.Array, dtype: jnp.dtype, kernels: Kernels) -> jax.Array:
-    """x [T, D] @ w [D, ...] -> [T, ...] in `dtype` (accumulated in float32); on jaxllm's
-    Pallas kernel for steps of at most `kernels.small_matmul_rows` rows, where it takes w."""
-    rows, weights = x.shape[0], w.reshape(w.shape[0], -1)
-    if rows <= kernels.small_matmul_rows and matmul_kernel.splits_for(*weights.shape):
-        out = matmul_kernel.small_matmul(x, weights, out_dtype=dtype, interpret=kernels.interpret)
-    else:
-        out = jnp.dot(x, weights, preferred_element_type=dtype)
-    return out.reshape(rows, *w.shape[1:])
-
-
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates `x` [T, heads, H] with HF's rotate-half convention; float32 inside."""
     x32 = x.astype(jnp.float32)
@@ -137,7 +126,7 @@ class Attention(Qwen3Module):
         axes = ("embed", "kv_heads", "qkv", "head_dim")
         qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-        qkv = project(x, qkv_proj, dtype, self.kernels)  # [T, K, G + 2, H]
+        qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
         # The "pallas" decode steps fuse q/k norms, rotary embedding and the cache write.
         fused = self.kernels.decode == "pallas" and inputs.tile_size == 1
         if fused and qkv_kernel.kernel_fits(k, g, h):
@@ -160,8 +149,7 @@ class Attention(Qwen3Module):
         block_tables = inputs.block_tables + layer * kv_cache.num_blocks
         out = attend(q, key_pool, value_pool, inputs._replace(block_tables=block_tables),
                      self.kernels)  # fmt: skip
-        out = project(out.reshape(x.shape[0], n * h), o_proj.reshape(n * h, d), jnp.float32,
-                      self.kernels)  # fmt: skip
+        out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
 
 
@@ -177,9 +165,9 @@ class MLP(Qwen3Module):
         axes = ("embed", "gate_up", "ffn")
         gate_up_proj = self.param("gate_up_proj", sharded(axes), (d, 2, f), dtype)
         down_proj = self.param("down_proj", sharded(("ffn", "embed")), (f, d), dtype)
-        gate_up = project(x, gate_up_proj, dtype, self.kernels)  # [T, 2, F]
-        hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        out = project(hidden, down_proj, jnp.float32, self.kernels)
+        gate_up = jnp.einsum("TD,DGF->TGF", x, gate_up_proj)
+        hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
+        out = jnp.einsum("TF,FD->TD", hidden, down_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size)
 
 

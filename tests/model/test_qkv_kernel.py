@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.inputs import decode_step_case, relative_error, small_config
+from support.inputs import Chunk, build_inputs, relative_error, small_config
 
 from jaxllm.model.attention import Kernels
-from jaxllm.model.kv_cache import KVCache, write_kv
+from jaxllm.model.config import Qwen3Config
+from jaxllm.model.kv_cache import KVCache, allocate_kv_cache, write_kv
 from jaxllm.model.layers import apply_rotary, rotary_cos_sin
 from jaxllm.model.qkv_kernel import kernel_fits, norm_rope_write
-from jaxllm.model.qwen3 import forward
+from jaxllm.model.qwen3 import forward, init_params
 
 EPS = 1e-6
 
@@ -74,6 +75,25 @@ def test_shapes_the_kernel_takes():
     assert kernel_fits(8, 2, 128) and kernel_fits(8, 4, 128) and kernel_fits(1, 8, 64)
     assert not kernel_fits(8, 5, 128)  # qwen3-14b: 40 query heads over 8 kv heads
     assert not kernel_fits(8, 2, 16)
+
+
+def decode_step_case(config: Qwen3Config):
+    """A prefilled cache and the inputs of one decode step of three sequences and one padding
+    row, on a small random model."""
+    params = init_params(config, seed=0)
+    rng = np.random.default_rng(1)
+    block_size, width = 16, 4
+    cache = allocate_kv_cache(config, 16, block_size)
+    prompts = [
+        Chunk(rng.integers(0, 64, n).tolist(), 0, [3 * i, 3 * i + 1, 3 * i + 2])
+        for i, n in enumerate((5, 17, 33))
+    ]
+    prefill = build_inputs(prompts, block_size, 8, width)
+    _, cache = jax.jit(forward, static_argnums=1)(params, config, cache, prefill)
+    decode = build_inputs(
+        [Chunk([7], len(c.token_ids), c.block_table) for c in prompts], block_size, 1, width, 4
+    )
+    return params, cache, decode
 
 
 def test_pallas_decode_steps_take_the_kernel_and_agree():

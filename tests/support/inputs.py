@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import ModelInputs
-from jaxllm.model.kv_cache import allocate_kv_cache
-from jaxllm.model.qwen3 import forward, init_params
 
 
 @dataclass(frozen=True)
@@ -100,22 +97,3 @@ def small_config(**overrides) -> Qwen3Config:
         dtype="float32",
     )
     return Qwen3Config(**values | overrides)
-
-
-def decode_step_case(config: Qwen3Config, with_prefill: bool = False) -> tuple:
-    """A prefilled cache and the inputs of one decode step of three sequences and one padding
-    row, on a small random model (and the prefill's inputs too, `with_prefill`)."""
-    params = init_params(config, seed=0)
-    rng = np.random.default_rng(1)
-    block_size, width = 16, 4
-    cache = allocate_kv_cache(config, 16, block_size)
-    prompts = [
-        Chunk(rng.integers(0, 64, n).tolist(), 0, [3 * i, 3 * i + 1, 3 * i + 2])
-        for i, n in enumerate((5, 17, 33))
-    ]
-    prefill = build_inputs(prompts, block_size, 8, width)
-    _, cache = jax.jit(forward, static_argnums=1)(params, config, cache, prefill)
-    decode = build_inputs(
-        [Chunk([7], len(c.token_ids), c.block_table) for c in prompts], block_size, 1, width, 4
-    )
-    return (params, cache, decode, prefill) if with_prefill else (params, cache, decode)
