@@ -144,6 +144,7 @@ class Platform:
             decode=backend,
             interpret=not self.nvidia,
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
+            fused_argmax=self.backend != "cpu",
         )
 
     @property

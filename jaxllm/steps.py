@@ -83,12 +83,13 @@ def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucke
     return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
 
 
-def sample_step(logits, packed, *, num_rows: int, mode: str):
+def sample_step(logits, packed, *, num_rows: int, mode: str, fused_argmax: bool):
     """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape. Returns
     them twice: for the next step on the devices, and for the host (`ModelRunner` places that
     copy in host memory)."""
     sampling = SamplingInputs(*unpack(packed, SamplingInputs.padding(logits.shape[0])))
-    tokens = jnp.pad(sample(logits, sampling, mode=mode), (0, num_rows - logits.shape[0]))
+    tokens = sample(logits, sampling, mode=mode, fused_argmax=fused_argmax)
+    tokens = jnp.pad(tokens, (0, num_rows - logits.shape[0]))
     return tokens, tokens
 
 
@@ -104,6 +105,7 @@ def decode_steps(
     bucket,
     mode,
     num_rows,
+    fused_argmax,
 ):
     """A decode plan's K steps in one program: each step's sampled tokens are the next one's
     inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
@@ -129,7 +131,8 @@ def decode_steps(
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
         logits = apply_bitmask(logits, bitmask)
-        sampled = sample(logits, sampling._replace(steps=sampling.steps + j), mode=mode)
+        step_sampling = sampling._replace(steps=sampling.steps + j)
+        sampled = sample(logits, step_sampling, mode=mode, fused_argmax=fused_argmax)
         return kv_cache, sampled, tokens.at[j].set(sampled)
 
     tokens = jnp.zeros((bucket.num_steps, bucket.num_sampled), jnp.int32)

@@ -14,6 +14,7 @@ H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
 H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
 ROCM = Platform("gpu", "AMD Instinct MI300X")
 NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS}  # what every NVIDIA GPU's kernels carry
+ON_CPU = {"interpret": True, "fused_argmax": False}  # what a CPU's kernels carry
 
 
 def test_kernel_tiles():
@@ -26,7 +27,7 @@ def test_kernel_tiles():
 @pytest.mark.parametrize(
     ("platform", "block_size", "kv_heads", "expected"),
     [
-        (CPU, 256, 8, Kernels("reference", "reference", interpret=True)),
+        (CPU, 256, 8, Kernels("reference", "reference", **ON_CPU)),
         (ROCM, 256, 8, Kernels("reference", "reference", interpret=True)),
         (H200_WITHOUT_FA3, 256, 8, Kernels("reference", "pallas", **NVIDIA)),
         (H200, 256, 8, Kernels("flash", "pallas", **NVIDIA)),
@@ -48,7 +49,7 @@ def test_auto_picks_the_pallas_kernel_on_nvidia_gpus_where_it_has_a_tile(
 
 def test_a_named_backend_is_kept_and_runs_interpreted_off_a_gpu_or_refused():
     assert CPU.replace(attention_backend="pallas").kernels(256, 8) == Kernels(
-        "reference", "pallas", interpret=True
+        "reference", "pallas", **ON_CPU
     )
     assert H200.replace(attention_backend="reference").kernels(256, 8) == Kernels(**NVIDIA)
     assert H200.replace(attention_backend="flash").kernels(256, 8) == Kernels(

@@ -40,12 +40,15 @@ class Kernels:
         interpret: run the Pallas kernels in Pallas' interpreter (off a GPU, in tests).
         cublas_from_rows: steps of this many rows or more run their matmuls on cuBLAS, not on
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
+        fused_argmax: the sampler draws in one argmax over the noisy logits
+            (`sampler.noisy_argmax`).
     """
 
     prefill: str = "reference"
     decode: str = "reference"
     interpret: bool = False
     cublas_from_rows: int | None = None
+    fused_argmax: bool = True
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model.inputs import FREQUENCY, IN_PROMPT, PRESENCE, REPETITION
+from jaxllm.model.qwen3 import DEFAULT_OPTIMIZATION
 
 
 class ProcessorState(NamedTuple):
@@ -157,7 +158,12 @@ class LogitsProcessors:
         # The programs over logits, each twice: keeping the logits, or writing over them.
         processed = lambda logits, state, rows: process(logits, state, rows[0])
         self._process = {donate: jit(processed, donate_argnums=(0,) * donate) for donate in (0, 1)}
-        self._mask = {donate: jit(apply_bitmask, donate_argnums=(0,) * donate) for donate in (0, 1)}
+        self._mask = {
+            donate: jit(
+                apply_bitmask, donate_argnums=(0,) * donate, compiler_options=DEFAULT_OPTIMIZATION
+            )
+            for donate in (0, 1)
+        }
         self._executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) -> process
         self._count_executables: dict[int, Any] = {}  # rows ->
         self._mask_executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) ->

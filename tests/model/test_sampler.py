@@ -334,6 +334,33 @@ def test_each_mode_equals_the_general_sampler_on_its_rows(mode):
         )
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0, np.inf, np.nan]), min_size=8, max_size=8
+    )
+)
+def test_the_unfused_argmax_is_argmax_with_ties_infinities_and_nans(values):
+    rows = jnp.asarray(np.array([values, values[::-1]], np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(sampler_module.noisy_argmax, static_argnums=1)(rows, False)),
+        np.asarray(jnp.argmax(rows, axis=-1)),
+    )
+
+
+@pytest.mark.parametrize("mode", ["random", "top-k", "filtered"])
+def test_both_argmaxes_draw_the_same_tokens(mode):
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32) * 3)
+    params = [SamplingParams(temperature=0.5 + row / 8, top_k=20, seed=row) for row in range(16)]
+    inputs = SamplingInputs.from_params(params, range(16))
+    fused, unfused = (
+        jax.jit(functools.partial(sample, mode=mode, fused_argmax=fused))(logits, inputs)
+        for fused in (True, False)
+    )
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+
+
 def test_only_the_filtering_sampler_branches_on_device_values():
     """A `lax.cond` in the sampler makes a GPU wait for the model step before the host may go
     on (XLA reads the predicate on the host), so the common modes must not have one."""
