@@ -142,12 +142,33 @@ def llm(make_llm) -> LLM:
 
 
 @pytest.fixture(scope="session")
-def text_llm() -> LLM:
-    """The embedded random qwen3-tiny (the real vocabulary and tokenizer), for text tests."""
+def text_model(tmp_path_factory) -> str:
+    """A random qwen3-tiny of hidden size 64 (the real vocabulary, the embedded tokenizer and its
+    eos tokens), saved by jaxllm: its LM head reads a quarter of qwen3-tiny's bytes a step."""
+    import dataclasses
+    import json
+
+    from jaxllm.model.checkpoint import save_params
+    from jaxllm.model.config import PRESETS
+    from jaxllm.model.qwen3 import init_params
+    from jaxllm.tokenizer import qwen3_tokenizer
+
+    config = dataclasses.replace(PRESETS["qwen3-tiny"], hidden_size=64)
+    path = tmp_path_factory.mktemp("qwen3-tiny-narrow")
+    save_params(path, config, init_params(config))
+    tokenizer = qwen3_tokenizer()
+    eos = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def text_llm(text_model) -> LLM:
+    """A random model of the real vocabulary and tokenizer (`text_model`), for text tests."""
     from jaxllm import LLM
 
     return LLM(
-        "random:qwen3-tiny",
+        text_model,
         max_num_seqs=4,
         max_model_len=256,
         max_num_batched_tokens=64,

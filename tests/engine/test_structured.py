@@ -179,7 +179,7 @@ def test_a_stop_string_ends_a_constrained_output_early(text_llm):
     )
 
 
-def test_constrained_outputs_at_tp2_equal_tp1(text_llm):
+def test_constrained_outputs_at_tp2_equal_tp1(text_llm, make_text_llm):
     """The same seeds give the same constrained outputs with the model over two devices."""
     constraint = StructuredOutputsParams(regex="[a-f]{3,9}")
     at_tp2 = make_text_llm(tensor_parallel_size=2)
@@ -188,15 +188,10 @@ def test_constrained_outputs_at_tp2_equal_tp1(text_llm):
     assert all(re.fullmatch("[a-f]{3,9}", text) for text in texts[1])
 
 
-def test_processed_logprobs_are_of_the_masked_logits():
+def test_processed_logprobs_are_of_the_masked_logits(make_text_llm):
     """logprobs_mode="processed_logprobs": the tokens the grammar bans are at -inf, so the top
     entries past the allowed ones are -inf; the first token starts a choice."""
-    from jaxllm import LLM
-
-    llm = LLM(
-        "random:qwen3-tiny", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
-        kvcache_block_size=16, compile_at_startup=False, logprobs_mode="processed_logprobs",
-    )  # fmt: skip
+    llm = make_text_llm(max_model_len=128, logprobs_mode="processed_logprobs")
     choices = ["yes", "no"]
     constraint = StructuredOutputsParams(choice=choices)
     for completion in sample_all(llm, constraint, max_tokens=8, logprobs=20):
@@ -239,7 +234,7 @@ def test_the_step_planned_while_masks_fill_survives_aborts_and_new_requests(text
     assert_idle(text_llm)
 
 
-def test_constrained_completions_survive_preemption():
+def test_constrained_completions_survive_preemption(make_text_llm):
     """A cache of few blocks preempts running sequences; each matcher keeps its state while its
     sequence is recomputed."""
     llm = make_text_llm(num_kvcache_blocks=6, max_model_len=96)
@@ -259,13 +254,18 @@ def test_constrained_completions_survive_preemption():
             assert re.fullmatch(pattern, completion.text)
 
 
-def make_text_llm(**settings):
+@pytest.fixture(scope="module")
+def make_text_llm(text_model):
+    """make_text_llm(**settings) -> a new LLM of `text_llm`'s model, with `settings`."""
     from jaxllm import LLM
 
-    return LLM(
-        "random:qwen3-tiny", max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=16,
-        compile_at_startup=False, **settings,
-    )  # fmt: skip
+    def make(**settings):
+        return LLM(
+            text_model, max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=16,
+            compile_at_startup=False, **settings,
+        )  # fmt: skip
+
+    return make
 
 
 def test_a_model_directory_with_a_tokenizer_of_its_own(tmp_path):
@@ -497,7 +497,7 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
 
 
 @pytest.fixture(scope="module")
-def speculating_llm():
+def speculating_llm(make_text_llm):
     """`text_llm` with 4 decode steps a plan: constrained rows speculate past their first."""
     return make_text_llm(max_model_len=256, num_scheduler_steps=4)
 
@@ -742,7 +742,7 @@ def test_a_row_whose_first_mask_fails_speculates_on_unmasked_while_that_pays():
     assert not grammar.speculates and grammar._wait == SPECULATION_WAIT[0]
 
 
-def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm):
+def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm, make_text_llm):
     params = [
         SamplingParams(temperature=0.6, max_tokens=48, seed=seed, structured_outputs=TEXT)
         for seed in range(4)
