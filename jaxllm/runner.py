@@ -224,7 +224,7 @@ class ModelRunner:
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
                 packed(bucket.padding()[1]), shape((bucket.num_sampled, self._mask_words),
                 jnp.int32), no_tokens, bucket=bucket, mode=mode,
-            ), options(bucket.num_tokens))
+            ), options(bucket.num_tokens, loop=True))
             for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
         ] + [
             (self._logprob_executables, n, functools.partial(

@@ -3,9 +3,10 @@ attention kernels, the param dtype, the prefill tile, the embedded default."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
-from jaxllm.model.attention import Kernels
+from jaxllm.model.attention import LOOP_COMMAND_BUFFERS, Kernels
 from jaxllm.model.decode_attention import tile_rows
 from jaxllm.platform import ATTENTION_ENV, CUBLAS_FROM_ROWS, Platform
 
@@ -72,6 +73,17 @@ def test_cublas_takes_the_matmuls_of_large_steps_on_nvidia_gpus_only():
     assert kernels.compiler_options(CUBLAS_FROM_ROWS - 1) == unchecked_autotuning
     for platform in (CPU, ROCM):
         assert platform.kernels(256, 8).compiler_options(1 << 14) == {}
+
+
+def test_multi_step_programs_on_nvidia_gpus_run_their_loop_in_one_cuda_graph():
+    loop = H200.kernels(256, 8).compiler_options(8, loop=True)
+    assert loop == H200.kernels(256, 8).compiler_options(8) | {
+        "xla_gpu_enable_command_buffer": LOOP_COMMAND_BUFFERS
+    }
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(LOOP_COMMAND_BUFFERS.split(","))
+    # XLA knows every kind named (an unknown one is refused at compile time, on any backend)
+    jax.jit(lambda x: x + 1).lower(1.0).compile(loop)
+    assert CPU.kernels(256, 8).compiler_options(8, loop=True) == {}
 
 
 def test_the_environment_names_the_backend(monkeypatch):

@@ -26,6 +26,13 @@ from jaxllm.model.inputs import ModelInputs
 
 PREFILL_KERNELS = ("reference", "flash")
 DECODE_KERNELS = ("reference", "flash", "pallas")
+# XLA's default kinds of CUDA-graph commands, and loops: a multi-step program's loop runs as one
+# graph (a conditional node), launched once a plan, not its body's graph launched from the host
+# every step, which held the host ~1 ms at one row (docs/performance.md).
+LOOP_COMMAND_BUFFERS = ",".join([
+    *("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION"),
+    *("WHILE", "CONDITIONAL"),
+])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -55,15 +62,17 @@ class Kernels:
             if (name := getattr(self, kind)) not in names:
                 raise ValueError(f"{kind} kernel must be one of {names}, not {name!r}")
 
-    def compiler_options(self, num_rows: int) -> dict[str, bool | int]:
-        """XLA options of a program of `num_rows` rows (tokens)."""
+    def compiler_options(self, num_rows: int, loop: bool = False) -> dict[str, bool | int | str]:
+        """XLA options of a program of `num_rows` rows (tokens); `loop`: a multi-step program."""
         if self.cublas_from_rows is None:
             return {}
         # NOTE: XLA's autotuning without its correctness checks (level 1 of 4): programs as
         # fast, compiled in less time (docs/performance.md).
-        options: dict[str, bool | int] = {"xla_gpu_autotune_level": 1}
+        options: dict[str, bool | int | str] = {"xla_gpu_autotune_level": 1}
         if num_rows >= self.cublas_from_rows:
             options["xla_gpu_enable_triton_gemm"] = False
+        if loop:
+            options["xla_gpu_enable_command_buffer"] = LOOP_COMMAND_BUFFERS
         return options
 
     @property

@@ -20,6 +20,8 @@ from support.hf import save_checkpoint
 
 from jaxllm import startup
 from jaxllm.executables import STALE_DAYS, ExecutableStore
+from jaxllm.model import attention
+from jaxllm.model.attention import LOOP_COMMAND_BUFFERS
 
 # A short ladder compiled at start-up: 2 decode sizes, prefill chunks of 16 and 32 tokens, tables
 # of 1 - 8 blocks (the prompts below take up to 100 + 24 tokens).
@@ -176,6 +178,27 @@ def test_programs_loaded_on_the_gpu_give_the_tokens_of_the_compiled_ones(
         for llm in (first, second)
     ]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+def test_a_plans_loop_in_its_cuda_graph_gives_the_tokens_of_the_loop_run_from_the_host(
+    compilation_cache, greedy_prompts, tmp_path, monkeypatch
+):
+    """Multi-step programs run their loop inside their CUDA graph (`LOOP_COMMAND_BUFFERS`):
+    the tokens of the same programs with XLA's default graphs, which leave the loop to the
+    host."""
+    shape = dict(tied=True, num_heads=4, num_kv_heads=1, head_dim=64, hidden=128, layers=2)
+    model = save_checkpoint(tmp_path / "model", rope_theta=10_000.0 + random.random(), **shape)
+    settings = dict(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=256)
+    host_loop = LOOP_COMMAND_BUFFERS.replace(",WHILE,CONDITIONAL", "")
+    tokens = []
+    for kinds in (LOOP_COMMAND_BUFFERS, host_loop):
+        monkeypatch.setattr(attention, "LOOP_COMMAND_BUFFERS", kinds)
+        llm = make_llm_with(model.path, num_kvcache_blocks=16, **settings)
+        outputs = llm.generate(greedy_prompts[:4], greedy_params(), use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outputs])
+        assert llm.engine.stats.decode.forward_passes > 2 * llm.engine.stats.decode.steps
+    assert "WHILE" not in host_loop and tokens[0] == tokens[1]
 
 
 def test_a_cache_directory_that_cannot_be_made_leaves_the_engine_working(tmp_path):
