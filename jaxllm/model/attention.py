@@ -26,9 +26,9 @@ from jaxllm.model.inputs import ModelInputs
 
 PREFILL_KERNELS = ("reference", "flash")
 DECODE_KERNELS = ("reference", "flash", "pallas")
-# XLA's default kinds of CUDA-graph commands, and loops: a multi-step program's loop runs as one
-# graph (a conditional node), launched once a plan, not its body's graph launched from the host
-# every step, which held the host ~1 ms at one row (docs/performance.md).
+# XLA's default kinds of CUDA-graph commands, and loops: a multi-step program's loop runs in its
+# graph (a conditional node), one launch a plan, where XLA launched the body's graph from the
+# host every step (0.7 - 1.1 ms of the host's a step at one row; docs/performance.md).
 LOOP_COMMAND_BUFFERS = ",".join([
     *("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION"),
     *("WHILE", "CONDITIONAL"),
