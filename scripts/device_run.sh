@@ -62,7 +62,9 @@ for stage in "$@"; do
   case $stage in
     # NOTE: the device lacks some test-only packages (jsonschema) of modules without GPU tests.
     tests) logged tests 30 $ONE_GPU python3 -m pytest -q -s -m gpu --continue-on-collection-errors tests ;;
-    tests:*) logged tests-one 30 $ONE_GPU python3 -m pytest -q -s -m gpu "${stage#tests:}" ;;
+    tests:*)  # tests:<pytest arguments, comma-separated>, e.g. tests:tests/engine,-k,cuda_graph
+      args=${stage#tests:}
+      logged tests-one 30 $ONE_GPU python3 -m pytest -q -s -m gpu ${args//,/ } ;;
     bench-0.6b | bench-0.6b-warm)
       logged "$stage" 12 $ONE_GPU python3 scripts/bench.py --json "$RECORDS/$stage.json" ;;
     bench-8b) logged "$stage" 12 $ONE_GPU python3 scripts/bench.py --model random:qwen3-8b \
