@@ -8,7 +8,9 @@ also runs its layers as a `fori_loop` over stacked weights, the loop inside the 
 without XLA's dynamic-slice fusion (a GEMM reading its layer's weights in place rather than
 from a copy). For each variant and batch: its first call (compiling), the call's host time with
 the device idle (median), the wall time per call of 100 calls queued back to back, the device
-time of its kernels (traced), and the logits' largest difference from the unrolled pass.
+time of its kernels (traced), and the logits' largest difference from the unrolled pass. Then
+the same for a program of `STEPS` greedy decode steps (a multi-step plan's loop), unrolled layers
+against the layer loop nested in the step loop; its times per step, its diff in tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from jaxllm.model.layers import RMSNorm, embed_tokens, rotary_cos_sin
 from jaxllm.model.qwen3 import COMPILER_OPTIONS, _apply_layer, forward
 from jaxllm.platform import Platform
 from jaxllm.research.flags import at_least
+
+# Decode steps of the multi-step variants (a plan's, on a GPU).
+STEPS = 8
 
 
 def looped_forward(params, config, kv_cache, inputs, kernels):
@@ -55,6 +60,25 @@ def sliced_forward(params, config, kv_cache, inputs, kernels):
     for i in range(config.num_layers):
         params[f"layers_{i}"] = jax.tree.map(lambda w, i=i: w[i], layers)
     return forward(params, config, kv_cache, inputs, kernels)
+
+
+def stepped(fn, steps: int):
+    """`steps` greedy decode steps of `fn` in one program (a loop, as a multi-step plan's),
+    each feeding its tokens to the next: (params, config, kv_cache, inputs, kernels) ->
+    (the last step's tokens, kv_cache)."""
+
+    def run(params, config, kv_cache, inputs, kernels):
+        def step(_, carry):
+            kv_cache, tokens = carry
+            logits, kv_cache = fn(
+                params, config, kv_cache, inputs._replace(token_ids=tokens), kernels
+            )
+            return kv_cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        kv_cache, tokens = lax.fori_loop(0, steps, step, (kv_cache, inputs.token_ids))
+        return tokens, kv_cache
+
+    return run
 
 
 def times(run, inputs, calls: int = 100) -> tuple[float, float]:
@@ -114,34 +138,38 @@ def main() -> None:
         if not platform.nvidia:
             loop_options = options
         fused = {"xla_gpu_enable_dynamic_slice_fusion": True} if platform.nvidia else {}
-        variants = {
-            "unrolled": (forward, params, options),
-            "unrolled, stacked weights": (sliced_forward, stacked, options),
-            "unrolled, stacked, slice fusion": (sliced_forward, stacked, options | fused),
-            "loop in graph": (looped_forward, stacked, loop_options),
-            "loop in graph, slice fusion": (looped_forward, stacked, loop_options | fused),
-            "loop from the host": (looped_forward, stacked, options),
-        }
-        reference = None
-        for name, (fn, weights, compile_options) in variants.items():
-            step = jax.jit(fn, static_argnums=(1, 4), donate_argnums=2,
-                           compiler_options=compile_options)  # fmt: skip
+        variants = [
+            ("unrolled", forward, params, options, 1),
+            ("unrolled, stacked weights", sliced_forward, stacked, options, 1),
+            ("unrolled, stacked, slice fusion", sliced_forward, stacked, options | fused, 1),
+            ("loop in graph", looped_forward, stacked, loop_options, 1),
+            ("loop in graph, slice fusion", looped_forward, stacked, loop_options | fused, 1),
+            ("loop from the host", looped_forward, stacked, options, 1),
+            (f"{STEPS} steps, unrolled", forward, params, loop_options, STEPS),
+            (f"{STEPS} steps, loop, slice fusion", looped_forward, stacked, loop_options | fused,
+             STEPS),
+        ]  # fmt: skip
+        references = {}
+        for name, fn, weights, compile_options, steps in variants:
+            step = jax.jit(fn if steps == 1 else stepped(fn, steps), static_argnums=(1, 4),
+                           donate_argnums=2, compiler_options=compile_options)  # fmt: skip
 
             def run(inputs, step=step, weights=weights):
-                logits, holder["cache"] = step(weights, config, holder["cache"], inputs, kernels)
-                return logits
+                out, holder["cache"] = step(weights, config, holder["cache"], inputs, kernels)
+                return out
 
             try:
                 start = time.perf_counter()
-                logits = np.asarray(run(inputs))
+                out = np.asarray(run(inputs))
                 compile_s = time.perf_counter() - start
                 idle, queued = times(run, inputs)
                 device = kernel_ms(run, inputs)
             except Exception as error:  # a variant XLA refuses is a row
                 print(f"{name:36s} {batch:5d} failed: {str(error).splitlines()[0][:120]}")
                 continue
-            reference = logits if reference is None else reference
-            diff = float(np.abs(logits - reference).max())
+            reference = references.setdefault(steps, out)
+            diff = float(np.abs(out - reference).max())
+            queued, device = queued / steps, device / steps
             figures = f"{compile_s:9.1f} {idle:12.3f} {queued:10.3f} {device:10.3f} {diff:9.2e}"
             print(f"{name:36s} {batch:5d} {figures}")
 
