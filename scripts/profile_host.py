@@ -69,13 +69,17 @@ def trace_device(llm: LLM, prompts, params) -> None:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-    kinds = by_kind(kernel_seconds(trace_dir))
+    seconds = kernel_seconds(trace_dir)
+    kinds = by_kind(seconds)
     print(f"\ndevice time over the run (s), wall {wall:.2f} s under the tracer")
     for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
         print(f"{kind:40s} {total:8.3f}")
     busy = sum(kinds.values())
     print(f"{'all kernels':40s} {busy:8.3f}")
     print(f"{'idle (wall less kernels)':40s} {wall - busy:8.3f}")
+    print("\nlargest kernels over the run: s | name | hlo op | module")
+    for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:20]:
+        print(f"{total:8.3f}  {' | '.join(key)[:100]}")
 
 
 if __name__ == "__main__":
