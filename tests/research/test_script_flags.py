@@ -27,7 +27,6 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
         ("profile_host.py", ["--num-seqs", "0"], "--num-seqs: must be at least 1, got 0"),
         ("bf16_noise.py", ["--layers", "0"], "--layers: must be at least 1, got 0"),
         ("host_bench.py", ["--iterations", "0"], "--iterations: must be at least 1, got 0"),
-        ("layer_loop.py", ["--batch", "1", "0"], "--batch: must be at least 1, got 0"),
     ],
 )
 def test_a_count_below_its_least_is_a_usage_error(script, flags, message, monkeypatch, capsys):
