@@ -127,8 +127,7 @@ for stage in "$@"; do
       args=${stage#timeline:}
       name=${args//,/}
       logged "timeline${name//\//-}" 90 $ONE_GPU python3 scripts/step_timeline.py ${args//,/ } ;;
-    profile-host:*)  # profile-host:<profile_host.py arguments, comma-separated>; with --device
-      # over all 256 sequences it printed nothing in 500 s on an H100: trace fewer (--num-seqs)
+    profile-host:*)  # profile-host:<profile_host.py arguments, comma-separated>
       args=${stage#profile-host:}
       logged "profile-host${args//,/}" 80 $ONE_GPU python3 scripts/profile_host.py ${args//,/ } ;;
     kernels) logged "$stage" 60 $ONE_GPU python3 scripts/attention_kernels.py \

@@ -6,9 +6,11 @@ schema) after a warm-up, and either
   and the most cumulative time. Time spent waiting for the device shows under the call that
   reads the sampled tokens (`Engine._check` -> `numpy.asarray`); the rest of
   `Engine.step` is host work; or
-- with `--device`, traces the device with JAX's profiler and prints its kernel time by kind
-  (as `decode_step.py --profile`) against the wall time: what the device did over the whole
-  run, and how long it sat idle. Tracing slows kernels a little; compare runs with each other.
+- with `--device`, traces the device with JAX's profiler in windows of the run (`--windows`,
+  seconds from its start, each `--window-length` long) and prints each window's kernel time by
+  kind (as `decode_step.py --profile`) against its wall time: what the device did then, and how
+  long it sat idle. A trace of the whole run (256 sequences) had printed nothing after 500 s on
+  an H100. Tracing slows kernels a little; compare runs with each other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import cProfile
 import os
 import pstats
 import tempfile
+import threading
 import time
 
 import jax
@@ -36,9 +39,19 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=at_least(1), default=256)
     parser.add_argument("--device", action="store_true", help="trace the device, not the host")
     parser.add_argument(
+        "--windows",
+        type=float,
+        nargs="+",
+        default=[0.5, 2.0, 4.0],
+        help="--device: when each traced window starts, seconds into the run",
+    )
+    parser.add_argument("--window-length", type=float, default=0.3, help="--device: seconds")
+    parser.add_argument(
         "--json-schema", action="store_true", help="every request under bench.py's JSON schema"
     )
     args = parser.parse_args()
+    if args.window_length <= 0 or min(args.windows) < 0:
+        parser.error("--windows take seconds of at least 0, --window-length more than 0")
     if args.attention:
         os.environ[ATTENTION_ENV] = args.attention
     llm = LLM(args.model)
@@ -50,7 +63,7 @@ def main() -> None:
     ]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
     if args.device:
-        trace_device(llm, prompts, params)
+        trace_device(llm, prompts, params, args.windows, args.window_length)
         return
     profiler = cProfile.Profile()
     start = time.perf_counter()
@@ -63,23 +76,31 @@ def main() -> None:
     stats.sort_stats("cumulative").print_stats(30)
 
 
-def trace_device(llm: LLM, prompts, params) -> None:
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-    seconds = kernel_seconds(trace_dir)
-    kinds = by_kind(seconds)
-    print(f"\ndevice time over the run (s), wall {wall:.2f} s under the tracer")
-    for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
-        print(f"{kind:40s} {total:8.3f}")
-    busy = sum(kinds.values())
-    print(f"{'all kernels':40s} {busy:8.3f}")
-    print(f"{'idle (wall less kernels)':40s} {wall - busy:8.3f}")
-    print("\nlargest kernels over the run: s | name | hlo op | module")
-    for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:20]:
-        print(f"{total:8.3f}  {' | '.join(key)[:100]}")
+def trace_device(llm: LLM, prompts, params, starts: list[float], length: float) -> None:
+    """Runs the workload, tracing the device in a window of `length` s from each of `starts`."""
+    windows = [(start, tempfile.mkdtemp()) for start in sorted(starts)]
+    run = threading.Thread(target=llm.generate, args=(prompts, params), kwargs={"use_tqdm": False})
+    begin = time.perf_counter()
+    run.start()
+    for start, trace_dir in windows:
+        time.sleep(max(0.0, begin + start - time.perf_counter()))
+        jax.profiler.start_trace(trace_dir)
+        time.sleep(length)
+        jax.profiler.stop_trace()
+    run.join()
+    print(f"\nrun: {time.perf_counter() - begin:.2f} s, windows of {length} s under the tracer")
+    for start, trace_dir in windows:
+        seconds = kernel_seconds(trace_dir)
+        kinds = by_kind(seconds)
+        busy = sum(kinds.values())
+        print(f"\nwindow from {start} s: device time (ms) by kind")
+        for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
+            print(f"{kind:40s} {total * 1e3:8.2f}")
+        print(f"{'all kernels':40s} {busy * 1e3:8.2f}")
+        print(f"{'idle (window less kernels)':40s} {(length - busy) * 1e3:8.2f}")
+        print("largest kernels: ms | name | hlo op | module")
+        for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:12]:
+            print(f"{total * 1e3:8.2f}  {' | '.join(key)[:100]}")
 
 
 if __name__ == "__main__":

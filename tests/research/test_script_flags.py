@@ -25,6 +25,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
         ("callback_cost.py", ["--width", "x"], "--width: not an integer: 'x'"),
         ("attention_kernels.py", ["--table-width", "-1"], "--table-width: must be at least 0"),
         ("profile_host.py", ["--num-seqs", "0"], "--num-seqs: must be at least 1, got 0"),
+        ("profile_host.py", ["--window-length", "0"], "--window-length more than 0"),
         ("bf16_noise.py", ["--layers", "0"], "--layers: must be at least 1, got 0"),
         ("host_bench.py", ["--iterations", "0"], "--iterations: must be at least 1, got 0"),
     ],
