@@ -9,8 +9,8 @@ schema) after a warm-up, and either
 - with `--device`, traces the device with JAX's profiler in windows of the run (`--windows`,
   seconds from its start, each `--window-length` long) and prints each window's kernel time by
   kind (as `decode_step.py --profile`) against its wall time: what the device did then, and how
-  long it sat idle. A trace of the whole run (256 sequences) had printed nothing after 500 s on
-  an H100. Tracing slows kernels a little; compare runs with each other.
+  long it sat idle (windows: a trace of the whole run, 256 sequences, takes over 500 s on an
+  H100). Tracing slows kernels a little; compare runs with each other.
 """
 
 from __future__ import annotations
@@ -78,26 +78,29 @@ def main() -> None:
 
 def trace_device(llm: LLM, prompts, params, starts: list[float], length: float) -> None:
     """Runs the workload, tracing the device in a window of `length` s from each of `starts`."""
-    windows = [(start, tempfile.mkdtemp()) for start in sorted(starts)]
+    windows = []  # (start, trace directory, seconds traced)
     run = threading.Thread(target=llm.generate, args=(prompts, params), kwargs={"use_tqdm": False})
     begin = time.perf_counter()
     run.start()
-    for start, trace_dir in windows:
+    for start in sorted(starts):
         time.sleep(max(0.0, begin + start - time.perf_counter()))
+        trace_dir = tempfile.mkdtemp()
         jax.profiler.start_trace(trace_dir)
+        traced = time.perf_counter()
         time.sleep(length)
+        windows.append((start, trace_dir, time.perf_counter() - traced))
         jax.profiler.stop_trace()
     run.join()
-    print(f"\nrun: {time.perf_counter() - begin:.2f} s, windows of {length} s under the tracer")
-    for start, trace_dir in windows:
+    print(f"\nrun: {time.perf_counter() - begin:.2f} s under the tracer's windows")
+    for start, trace_dir, wall in windows:
         seconds = kernel_seconds(trace_dir)
         kinds = by_kind(seconds)
         busy = sum(kinds.values())
-        print(f"\nwindow from {start} s: device time (ms) by kind")
+        print(f"\nwindow from {start} s, {wall * 1e3:.1f} ms: device time (ms) by kind")
         for kind, total in sorted(kinds.items(), key=lambda item: -item[1]):
             print(f"{kind:40s} {total * 1e3:8.2f}")
         print(f"{'all kernels':40s} {busy * 1e3:8.2f}")
-        print(f"{'idle (window less kernels)':40s} {(length - busy) * 1e3:8.2f}")
+        print(f"{'idle (window less kernels)':40s} {(wall - busy) * 1e3:8.2f}")
         print("largest kernels: ms | name | hlo op | module")
         for key, total in sorted(seconds.items(), key=lambda item: -item[1])[:12]:
             print(f"{total * 1e3:8.2f}  {' | '.join(key)[:100]}")
