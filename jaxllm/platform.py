@@ -34,6 +34,9 @@ GPU_DECODE_STEPS = 8
 # ones and compile in a fraction of the time (no autotuning); steps of fewer rows run faster on
 # XLA's own (docs/performance.md).
 CUBLAS_FROM_ROWS = 64
+# NOTE: decode steps of fewer rows run their layers on 8: there a 0.6B model's matmuls are GEMMs,
+# at 1 - 4 rows XLA's slower GEMV fusions (docs/performance.md).
+GPU_DECODE_ROWS = 8
 # NOTE: on a CPU the KV cache is sized from max_num_seqs and max_model_len, within this budget.
 CPU_KV_CACHE_BYTES = 2 << 30
 CPU_DEFAULT_MODEL, GPU_DEFAULT_MODEL = "random:qwen3-tiny", "random:qwen3-0.6b"
@@ -145,6 +148,7 @@ class Platform:
             interpret=not self.nvidia,
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
             fused_argmax=self.backend != "cpu",
+            decode_rows=GPU_DECODE_ROWS if self.nvidia else 1,
         )
 
     @property

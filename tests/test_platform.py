@@ -8,13 +8,14 @@ import pytest
 
 from jaxllm.model.attention import LOOP_COMMAND_BUFFERS, Kernels
 from jaxllm.model.decode_attention import tile_rows
-from jaxllm.platform import ATTENTION_ENV, CUBLAS_FROM_ROWS, Platform
+from jaxllm.platform import ATTENTION_ENV, CUBLAS_FROM_ROWS, GPU_DECODE_ROWS, Platform
 
 CPU = Platform("cpu", "cpu")
 H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
 H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
 ROCM = Platform("gpu", "AMD Instinct MI300X")
-NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS}  # what every NVIDIA GPU's kernels carry
+# What every NVIDIA GPU's kernels carry.
+NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS, "decode_rows": GPU_DECODE_ROWS}
 ON_CPU = {"interpret": True, "fused_argmax": False}  # what a CPU's kernels carry
 
 

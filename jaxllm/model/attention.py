@@ -49,6 +49,8 @@ class Kernels:
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
         fused_argmax: the sampler draws in one argmax over the noisy logits
             (`sampler.noisy_argmax`).
+        decode_rows: a decode step of fewer rows runs its layers on this many, the rest
+            padding (`qwen3.padded_decode`).
     """
 
     prefill: str = "reference"
@@ -56,6 +58,7 @@ class Kernels:
     interpret: bool = False
     cublas_from_rows: int | None = None
     fused_argmax: bool = True
+    decode_rows: int = 1
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):

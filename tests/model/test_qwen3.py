@@ -1,13 +1,16 @@
-"""The model's layer loop: one traced layer whatever the depth, and params sharded as declared."""
+"""The model's layer loop: one traced layer whatever the depth, params sharded as declared, and
+small decode steps run on padding rows."""
 
 from __future__ import annotations
 
 import re
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
-from support.inputs import Chunk, build_inputs, small_config
+from support.inputs import Chunk, build_inputs, relative_error, small_config
 
+from jaxllm.model.attention import Kernels
 from jaxllm.model.kv_cache import allocate_kv_cache
 from jaxllm.model.qwen3 import forward, init_params, param_specs
 from jaxllm.model.sharding import make_mesh
@@ -37,3 +40,36 @@ def test_random_params_are_sharded_as_their_specs():
     assert jax.tree.structure(params) == jax.tree.structure(specs)
     for array, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True):
         assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
+
+
+def test_a_small_decode_step_on_padding_rows_gives_its_own_logits_and_cache():
+    """Kernels' `decode_rows`: a decode step of 2 rows runs its layers on 8 (their matmuls have
+    8 rows), with the logits and the cache writes of the 2-row step."""
+    params = init_params(CONFIG, seed=0)
+    cache = allocate_kv_cache(CONFIG, num_blocks=4, block_size=8)
+    prefill = jax.jit(forward, static_argnums=1)
+    _, cache = prefill(params, CONFIG, cache, INPUTS)
+    decode = build_inputs([Chunk([11], 5, [3]), Chunk([12], 3, [1])], 8, 1, table_width=1)
+    step = jax.jit(forward, static_argnums=(1, 4))
+
+    def matmul_rows(kernels: Kernels) -> set[int]:
+        jaxpr = jax.make_jaxpr(forward, static_argnums=(1, 4))(
+            params, CONFIG, cache, decode, kernels
+        )
+        text = str(jaxpr)  # the layers' matmuls: dot_generals of [rows, hidden] activations
+        return {
+            int(rows)
+            for rows in re.findall(rf"f32\[(\d+),{CONFIG.hidden_size}\] = dot_general", text)
+        }
+
+    assert matmul_rows(Kernels(decode_rows=8)) == {8} and matmul_rows(Kernels()) == {2}
+    padded_logits, padded = step(params, CONFIG, cache, decode, Kernels(decode_rows=8))
+    logits, expected = step(params, CONFIG, cache, decode, Kernels())
+    assert padded_logits.shape == logits.shape == (2, CONFIG.vocab_size)
+    assert relative_error(padded_logits, logits) <= 1e-5
+    for actual, wanted in ((padded.keys, expected.keys), (padded.values, expected.values)):
+        assert relative_error(actual, wanted) <= 1e-6
+    # Padding rows write nothing: the slots the step did not write are as before.
+    written = np.zeros(np.asarray(cache.keys).shape[:3], bool)  # [L, NB, BS]
+    written[:, [3, 1], [5, 3]] = True
+    assert (np.asarray(padded.keys)[~written] == np.asarray(cache.keys)[~written]).all()
