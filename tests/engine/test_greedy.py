@@ -4,10 +4,22 @@ change nothing."""
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import numpy as np
 import pytest
-from support.engine import BLOCK_SIZE, NUM_GREEDY_TOKENS, assert_idle, greedy_params
+from support.engine import (
+    BASE_SETTINGS,
+    BLOCK_SIZE,
+    NUM_GREEDY_TOKENS,
+    assert_idle,
+    greedy_params,
+    make_llm_with,
+)
 from support.hf import VOCAB_SIZE
+
+from jaxllm.platform import Platform
 
 # name -> engine settings over BASE_SETTINGS
 SCHEDULES = {
@@ -44,6 +56,23 @@ def test_greedy_equals_transformers(schedule, make_llm, greedy_prompts, greedy_r
         assert llm.engine.stats.decode.tokens > 2 * llm.engine.stats.decode.steps
     if schedule == "chunked-prefill":
         assert llm.engine.stats.prefill.steps > sum(len(p) for p in greedy_prompts) // 48
+    assert_idle(llm)
+
+
+def test_decode_steps_on_padding_rows_equal_transformers(
+    checkpoint, greedy_prompts, greedy_reference
+):
+    """Decode steps of fewer rows than the kernels' `decode_rows` (8 on an NVIDIA GPU) run their
+    layers on padding rows up to it: the same tokens."""
+    kernels = Platform.kernels
+    on_8_rows = lambda self, *args: dataclasses.replace(kernels(self, *args), decode_rows=8)
+    with mock.patch.object(Platform, "kernels", on_8_rows):
+        llm = make_llm_with(checkpoint.path, **BASE_SETTINGS)
+    assert llm.engine.runner.kernels.decode_rows == 8
+
+    outputs = llm.generate(greedy_prompts[:3], greedy_params(), use_tqdm=False)  # 1 - 3 rows
+
+    assert [output.token_ids for output in outputs] == greedy_reference[:3]
     assert_idle(llm)
 
 
