@@ -213,9 +213,12 @@ def run_steps(step, params, cache, steps):
     return logits, cache
 
 
-@pytest.mark.parametrize(("tp", "gspmd"), [(2, False), (4, False), (2, True)])
-def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp, gspmd):
-    """Also lowered for the GSPMD partitioner, which TP steps with FlashAttention use."""
+@pytest.mark.parametrize(
+    ("tp", "gspmd", "decode_rows"), [(2, False, 1), (4, False, 1), (2, True, 1), (2, False, 8)]
+)
+def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp, gspmd, decode_rows):
+    """Also lowered for the GSPMD partitioner, which TP steps with FlashAttention use, and with
+    decode steps on padding rows (`Kernels.decode_rows`, as on an NVIDIA GPU)."""
     path, torch_model, config, params = checkpoint
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (13, 6)]
@@ -238,7 +241,9 @@ def test_logits_under_the_mesh_match_the_unsharded_model(checkpoint, tp, gspmd):
     mesh = make_mesh(tp)
     _, sharded_params = load_params(path, dtype="float32", mesh=mesh)
     cache = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, mesh=mesh)
-    step = jax.jit(sharded_forward(config, mesh), donate_argnums=1)
+    step = jax.jit(
+        sharded_forward(config, mesh, Kernels(decode_rows=decode_rows)), donate_argnums=1
+    )
     with gspmd_partitioner() if gspmd else contextlib.nullcontext():
         got, cache = run_steps(step, sharded_params, cache, steps)
 
