@@ -20,7 +20,6 @@ import cProfile
 import os
 import pstats
 import tempfile
-import threading
 import time
 
 import jax
@@ -77,20 +76,38 @@ def main() -> None:
 
 
 def trace_device(llm: LLM, prompts, params, starts: list[float], length: float) -> None:
-    """Runs the workload, tracing the device in a window of `length` s from each of `starts`."""
+    """Runs the workload, tracing the device in a window of `length` s from each of `starts`.
+
+    Each window opens and closes between two engine steps, on the thread that runs them: CUPTI
+    failed to subscribe (`CUPTI_ERROR_NOT_INITIALIZED`) when a trace started on another thread
+    while the run launched kernels, and the run then died."""
     windows = []  # (start, trace directory, seconds traced)
-    run = threading.Thread(target=llm.generate, args=(prompts, params), kwargs={"use_tqdm": False})
+    pending = sorted(starts)
+    engine_step = llm.engine.step
+    traced = None  # (start, trace directory, when the window opened)
     begin = time.perf_counter()
-    run.start()
-    for start in sorted(starts):
-        time.sleep(max(0.0, begin + start - time.perf_counter()))
-        trace_dir = tempfile.mkdtemp()
-        jax.profiler.start_trace(trace_dir)
-        traced = time.perf_counter()
-        time.sleep(length)
-        windows.append((start, trace_dir, time.perf_counter() - traced))
-        jax.profiler.stop_trace()
-    run.join()
+
+    def step():
+        nonlocal traced
+        now = time.perf_counter()
+        if traced is not None and now - traced[2] >= length:
+            jax.profiler.stop_trace()
+            windows.append((traced[0], traced[1], now - traced[2]))
+            traced = None
+        if traced is None and pending and now - begin >= pending[0]:
+            trace_dir = tempfile.mkdtemp()
+            jax.profiler.start_trace(trace_dir)
+            traced = (pending.pop(0), trace_dir, time.perf_counter())
+        return engine_step()
+
+    llm.engine.step = step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.engine.step
+        if traced is not None:
+            jax.profiler.stop_trace()
+            windows.append((traced[0], traced[1], time.perf_counter() - traced[2]))
     print(f"\nrun: {time.perf_counter() - begin:.2f} s under the tracer's windows")
     for start, trace_dir, wall in windows:
         seconds = kernel_seconds(trace_dir)
