@@ -84,20 +84,25 @@ def trace_device(llm: LLM, prompts, params, starts: list[float], length: float) 
     windows = []  # (start, trace directory, seconds traced)
     pending = sorted(starts)
     engine_step = llm.engine.step
-    traced = None  # (start, trace directory, when the window opened)
+    opened = None  # the open window: (start, trace directory, when it opened)
     begin = time.perf_counter()
 
+    def close() -> None:
+        nonlocal opened
+        jax.profiler.stop_trace()
+        start, trace_dir, since = opened
+        windows.append((start, trace_dir, time.perf_counter() - since))
+        opened = None
+
     def step():
-        nonlocal traced
+        nonlocal opened
         now = time.perf_counter()
-        if traced is not None and now - traced[2] >= length:
-            jax.profiler.stop_trace()
-            windows.append((traced[0], traced[1], now - traced[2]))
-            traced = None
-        if traced is None and pending and now - begin >= pending[0]:
+        if opened is not None and now - opened[2] >= length:
+            close()
+        if opened is None and pending and now - begin >= pending[0]:
             trace_dir = tempfile.mkdtemp()
             jax.profiler.start_trace(trace_dir)
-            traced = (pending.pop(0), trace_dir, time.perf_counter())
+            opened = (pending.pop(0), trace_dir, time.perf_counter())
         return engine_step()
 
     llm.engine.step = step
@@ -105,9 +110,8 @@ def trace_device(llm: LLM, prompts, params, starts: list[float], length: float) 
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         del llm.engine.step
-        if traced is not None:
-            jax.profiler.stop_trace()
-            windows.append((traced[0], traced[1], time.perf_counter() - traced[2]))
+        if opened is not None:
+            close()
     print(f"\nrun: {time.perf_counter() - begin:.2f} s under the tracer's windows")
     for start, trace_dir, wall in windows:
         seconds = kernel_seconds(trace_dir)
