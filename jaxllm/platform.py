@@ -149,6 +149,7 @@ class Platform:
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
             fused_argmax=self.backend != "cpu",
             decode_rows=GPU_DECODE_ROWS if self.nvidia else 1,
+            fixed_inputs=self.nvidia,
         )
 
     @property

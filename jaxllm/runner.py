@@ -42,7 +42,7 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, DEFAULT_OPTIMIZATION, Params, s
 from jaxllm.model.sampler import ONE_PASS_MODES, SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched import Bucket, StepPlan
-from jaxllm.steps import StepResult, pack, padding_step, previous_rows
+from jaxllm.steps import FixedInputs, StepResult, pack, packed_size, padding_step, previous_rows
 from jaxllm.weights import from_hf_names, is_hf_named, placed_like
 
 logger = logging.getLogger(__name__)
@@ -102,27 +102,18 @@ class ModelRunner:
         forward = sharded_forward(config, mesh, kernels)
         sampling_args = dict(num_rows=max_sampled_rows, fused_argmax=kernels.fused_argmax)
         self._forward = jax.jit(
-            functools.partial(steps.forward_step, forward),
-            static_argnames="bucket",
-            donate_argnums=1,
-            compiler_options=COMPILER_OPTIONS,
-        )
+            functools.partial(steps.forward_step, forward), static_argnames="bucket",
+            donate_argnums=1, compiler_options=COMPILER_OPTIONS,
+        )  # fmt: skip
         self._decode_steps = jax.jit(
             functools.partial(steps.decode_steps, forward, **sampling_args),
-            static_argnames=("bucket", "mode"),
-            donate_argnums=1,
-            out_shardings=(self._host, self._replicated, None),
-            compiler_options=COMPILER_OPTIONS,
-        )
-        self._logprobs = jax.jit(
-            functools.partial(
-                steps.logprob_step,
-                num_rows=max_sampled_rows,
-                num_top=min(max_logprobs, config.vocab_size),
-                processed=processed_logprobs,
-            ),
-            out_shardings=self._replicated,
-        )
+            static_argnames=("bucket", "mode"), donate_argnums=1,
+            out_shardings=(self._host, self._replicated, None), compiler_options=COMPILER_OPTIONS,
+        )  # fmt: skip
+        self._logprobs = jax.jit(functools.partial(
+            steps.logprob_step, num_rows=max_sampled_rows,
+            num_top=min(max_logprobs, config.vocab_size), processed=processed_logprobs,
+        ), out_shardings=self._replicated)  # fmt: skip
         self._sample = jax.jit(
             functools.partial(steps.sample_step, **sampling_args),
             static_argnames="mode",
@@ -131,6 +122,7 @@ class ModelRunner:
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
+        self._fixed = FixedInputs(self._replicated, self._on_devices, kernels.fixed_inputs)
         self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-dispatch")
         self.processors = LogitsProcessors(
             num_processor_slots, config.vocab_size, self._replicated, self._on_devices,
@@ -160,6 +152,7 @@ class ModelRunner:
         """Forgets the steps dispatched so far; awake, allocates the KV cache again, empty (a
         failed step may have deleted it by donation, or left it in an error state)."""
         awake, self._previous = self.kv_cache is not None, None
+        self._fixed.reset()
         self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
         self.kv_cache = self._allocate_kv_cache() if awake else None
@@ -187,7 +180,7 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         tables = self._forward_executables, self._sample_executables, self._logprob_executables
-        return sum(map(len, tables)) + len(self._multi_step_executables)
+        return sum(map(len, (*tables, self._multi_step_executables, self._fixed.executables)))
 
     def compile(
         self,
@@ -238,6 +231,11 @@ class ModelRunner:
                 self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
             ), options(n) | (DEFAULT_OPTIMIZATION if mode in ONE_PASS_MODES else {}))
             for n in rows for mode in sampler_modes
+        ] + [
+            (self._fixed.executables, n, functools.partial(
+                self._fixed.write.lower, *[(shape((n,), jnp.int32), no_tokens)] * 2
+            ), {})
+            for n in {packed_size(bucket) for bucket in single if self._fixed.enabled}
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
 
@@ -335,6 +333,7 @@ class ModelRunner:
         return (
             bucket in self._forward_executables
             and (bucket.num_sampled, mode) in self._sample_executables
+            and self._fixed.has(packed_size(bucket))
             and (not logprobs or bucket.num_sampled in self._logprob_executables)
         )
 
@@ -364,9 +363,8 @@ class ModelRunner:
         self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array, masks
     ) -> tuple[jax.Array, np.ndarray | None]:
         """The forward pass's logits, and the bitmask `masks` gives (None without `masks`).
-        NOTE: on a GPU the forward call holds its thread ~1 ms (a CUDA graph's update and
-        launch) with the GIL released: called on a thread of its own, it overlaps the masks'
-        host work (one constrained stream 373 -> 410 tok/s, docs/performance.md)."""
+        NOTE: on a GPU the forward call holds its thread ~0.5 ms (its CUDA graph's launch) with
+        the GIL released: called on a thread of its own, it overlaps the masks' host work."""
         if masks is None:
             return self._run_forward(bucket, arrays, previous_tokens), None
         forward = self._dispatcher.submit(self._run_forward, bucket, arrays, previous_tokens)
@@ -380,9 +378,9 @@ class ModelRunner:
         self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array
     ) -> jax.Array:
         """Dispatches the bucket's model step; keeps its updated cache, returns its logits."""
-        packed = self._on_devices(pack(arrays))
+        inputs = self._fixed(pack(arrays), previous_tokens)
         logits, self.kv_cache = self._forward_executables[bucket](
-            self.params, self.kv_cache, packed, previous_tokens
+            self.params, self.kv_cache, *inputs
         )
         return logits
 

@@ -7,7 +7,7 @@ A step's inputs travel packed into one int32 array (`pack`), unpacked inside the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -72,6 +72,11 @@ def padding_step(bucket: Bucket) -> tuple[np.ndarray, ...]:
     if bucket.num_steps == 1:
         return (*inputs, rows)
     return (*inputs, rows, np.full((bucket.num_steps, bucket.num_tokens), -1, np.int32))
+
+
+def packed_size(bucket: Bucket) -> int:
+    """The size of a step's packed inputs (`pack(padding_step(bucket))`)."""
+    return sum(map(np.size, padding_step(bucket)))
 
 
 def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
@@ -170,3 +175,52 @@ class StepResult(NamedTuple):
 
     tokens: jax.Array
     logprobs: jax.Array | None = None
+
+
+def write_inputs(into: tuple[jax.Array, ...], new: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`new` written into `into`'s buffers (donated to the program, so updated in place)."""
+    return tuple(
+        lax.dynamic_update_slice(buffer, values, (0,))
+        for buffer, values in zip(into, new, strict=True)
+    )
+
+
+class FixedInputs:
+    """A one-step forward pass's inputs (its packed host arrays, the previous step's tokens),
+    where `enabled`, written by a program of their own (`write_inputs`, one per packed size)
+    into buffers that keep their device addresses, so that XLA launches the forward pass's
+    CUDA graph as recorded. NOTE: XLA updates a graph whose arguments moved before launching
+    it: 0.42 ms of a 1.5 ms forward call at one row on an H100, traced (docs/performance.md).
+
+    Args:
+        sharding: the buffers' (replicated over the mesh).
+        on_devices: a host array as the programs take it (`ModelRunner._on_devices`).
+        enabled: `Kernels.fixed_inputs`; else the inputs are passed as they are.
+    """
+
+    def __init__(self, sharding: jax.sharding.Sharding, on_devices: Callable, enabled: bool):
+        self.enabled = enabled
+        self.write = jax.jit(write_inputs, donate_argnums=0, out_shardings=sharding)
+        self.executables: dict[int, jax.stages.Compiled] = {}  # by packed size, compiled
+        self._buffers: dict[int, tuple[jax.Array, ...]] = {}
+        self._on_devices = on_devices
+
+    def has(self, size: int) -> bool:
+        """Whether inputs of this packed size can be passed (their program is compiled)."""
+        return not self.enabled or size in self.executables
+
+    def __call__(self, packed: np.ndarray, previous_tokens: jax.Array) -> tuple[jax.Array, ...]:
+        """The inputs as the forward pass takes them: where enabled, in the buffers of their
+        size."""
+        new = (self._on_devices(packed), previous_tokens)
+        if not self.enabled:
+            return new
+        into = self._buffers.get(len(packed))
+        if into is None:
+            into = tuple(self._on_devices(np.zeros(len(x), np.int32)) for x in new)
+        self._buffers[len(packed)] = self.executables[len(packed)](into, new)
+        return self._buffers[len(packed)]
+
+    def reset(self) -> None:
+        """Drops the buffers (a failed step may have deleted them by donation)."""
+        self._buffers.clear()

@@ -15,7 +15,11 @@ H200 = Platform("gpu", "NVIDIA H200", nvidia=True, flash_attention=True)
 H200_WITHOUT_FA3 = Platform("gpu", "NVIDIA H200", nvidia=True)
 ROCM = Platform("gpu", "AMD Instinct MI300X")
 # What every NVIDIA GPU's kernels carry.
-NVIDIA = {"cublas_from_rows": CUBLAS_FROM_ROWS, "decode_rows": GPU_DECODE_ROWS}
+NVIDIA = {
+    "cublas_from_rows": CUBLAS_FROM_ROWS,
+    "decode_rows": GPU_DECODE_ROWS,
+    "fixed_inputs": True,
+}
 ON_CPU = {"interpret": True, "fused_argmax": False}  # what a CPU's kernels carry
 
 

@@ -51,6 +51,8 @@ class Kernels:
             (`sampler.noisy_argmax`).
         decode_rows: a decode step of fewer rows runs its layers on this many, the rest
             padding (`qwen3.padded_decode`).
+        fixed_inputs: a one-step forward pass reads its inputs from buffers that keep their
+            device addresses (`ModelRunner`), so XLA launches its CUDA graph without updating it.
     """
 
     prefill: str = "reference"
@@ -59,6 +61,7 @@ class Kernels:
     cublas_from_rows: int | None = None
     fused_argmax: bool = True
     decode_rows: int = 1
+    fixed_inputs: bool = False
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):

@@ -4,6 +4,7 @@ change nothing."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from unittest import mock
 
@@ -20,6 +21,7 @@ from support.engine import (
 from support.hf import VOCAB_SIZE
 
 from jaxllm.platform import Platform
+from jaxllm.steps import FixedInputs, packed_size
 
 # name -> engine settings over BASE_SETTINGS
 SCHEDULES = {
@@ -73,6 +75,38 @@ def test_decode_steps_on_padding_rows_equal_transformers(
     outputs = llm.generate(greedy_prompts[:3], greedy_params(), use_tqdm=False)  # 1 - 3 rows
 
     assert [output.token_ids for output in outputs] == greedy_reference[:3]
+    assert_idle(llm)
+
+
+def test_forward_passes_read_their_inputs_from_buffers_of_fixed_addresses(
+    checkpoint, greedy_prompts, greedy_reference, monkeypatch
+):
+    """With the kernels' `fixed_inputs` (on an NVIDIA GPU) a program of their own writes each
+    one-step forward pass's inputs into buffers of their packed size, in place: the same
+    tokens, through preemption, and each size's buffers at one device address."""
+    kernels = Platform.kernels
+    fixed = lambda self, *args: dataclasses.replace(kernels(self, *args), fixed_inputs=True)
+    with mock.patch.object(Platform, "kernels", fixed):
+        llm = make_llm_with(checkpoint.path, **BASE_SETTINGS, **SCHEDULES["preemption"])
+    runner = llm.engine.runner
+    sizes = {packed_size(bucket) for bucket in runner.ladder if bucket.num_steps == 1}
+    assert set(runner._fixed.executables) == sizes
+    addresses = collections.defaultdict(set)
+    call = FixedInputs.__call__
+
+    def spying(self, packed, previous_tokens):
+        inputs = call(self, packed, previous_tokens)
+        addresses[len(packed)].add(tuple(x.unsafe_buffer_pointer() for x in inputs))
+        np.testing.assert_array_equal(inputs[0], packed)
+        np.testing.assert_array_equal(inputs[1], previous_tokens)
+        return inputs
+
+    monkeypatch.setattr(FixedInputs, "__call__", spying)
+    outputs = llm.generate(greedy_prompts, greedy_params(), use_tqdm=False)
+
+    assert [output.token_ids for output in outputs] == greedy_reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert len(addresses) > 1 and all(len(seen) == 1 for seen in addresses.values())
     assert_idle(llm)
 
 
