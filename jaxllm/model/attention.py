@@ -49,8 +49,8 @@ class Kernels:
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
         fused_argmax: the sampler draws in one argmax over the noisy logits
             (`sampler.noisy_argmax`).
-        decode_rows: a decode step of fewer rows runs its layers on this many, the rest
-            padding (`qwen3.padded_decode`).
+        decode_rows: a decode step of fewer rows runs its matmuls on this many, zero rows
+            after its own; its attention and cache writes take its own rows (`layers.Attention`).
     """
 
     prefill: str = "reference"

@@ -117,8 +117,10 @@ class Attention(Qwen3Module):
         layer: jax.Array,
         inputs: ModelInputs,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`)."""
+        """x [T, D] -> ([T, D], kv_cache with this step's K/V written at layer `layer`); rows of
+        x after the step's own (`Kernels.decode_rows`) are zero, and stay so."""
         c = self.config
+        rows = inputs.token_ids.shape[0]
         dtype = c.jnp_dtype
         d, h = c.hidden_size, c.head_dim
         n, k = c.num_heads // self.tp_size, c.num_kv_heads // self.tp_size
@@ -126,7 +128,7 @@ class Attention(Qwen3Module):
         axes = ("embed", "kv_heads", "qkv", "head_dim")
         qkv_proj = self.param("qkv_proj", sharded(axes), (d, k, g + 2, h), dtype)
         o_proj = self.param("o_proj", sharded(("heads", "head_dim", "embed")), (n, h, d), dtype)
-        qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)
+        qkv = jnp.einsum("TD,DKGH->TKGH", x, qkv_proj)[:rows]
         # The "pallas" decode steps fuse q/k norms, rotary embedding and the cache write.
         fused = self.kernels.decode == "pallas" and inputs.tile_size == 1
         if fused and qkv_kernel.kernel_fits(k, g, h):
@@ -137,7 +139,7 @@ class Attention(Qwen3Module):
                 eps=c.rms_norm_eps, interpret=self.kernels.interpret,
             )  # fmt: skip
         else:
-            q = qkv[:, :, :g].reshape(x.shape[0], n, h)  # [T, N, H]
+            q = qkv[:, :, :g].reshape(rows, n, h)  # [T, N, H]
             keys, values = qkv[:, :, g], qkv[:, :, g + 1]  # [T, K, H] each
             q = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="q_norm")(q)
             keys = RMSNorm(c.rms_norm_eps, dtype, "head_dim", name="k_norm")(keys)
@@ -149,6 +151,7 @@ class Attention(Qwen3Module):
         block_tables = inputs.block_tables + layer * kv_cache.num_blocks
         out = attend(q, key_pool, value_pool, inputs._replace(block_tables=block_tables),
                      self.kernels)  # fmt: skip
+        out = jnp.pad(out, ((0, x.shape[0] - rows), (0, 0), (0, 0)))
         out = jnp.einsum("TNH,NHD->TD", out, o_proj, preferred_element_type=jnp.float32)
         return add_shards(out, dtype, self.tp_size), kv_cache
 

@@ -86,11 +86,12 @@ class Qwen3ForCausalLM(nn.Module):
     def __call__(self, kv_cache: KVCache, inputs: ModelInputs) -> tuple[jax.Array, KVCache]:
         c, tp = self.config, self.tp_size
         dtype = c.jnp_dtype
-        if inputs.tile_size == 1 and inputs.token_ids.shape[0] < self.kernels.decode_rows:
-            inputs = padded_decode(inputs, self.kernels.decode_rows)
         vocab = c.vocab_size // tp
         embed = self.param("embed", sharded(("vocab", "embed")), (vocab, c.hidden_size), dtype)
         x = embed_tokens(embed, inputs.token_ids, tp).astype(jnp.float32)  # [T, D] (DecoderLayer)
+        if inputs.tile_size == 1 and x.shape[0] < self.kernels.decode_rows:
+            # Zero rows after the step's own, for the layers' matmuls (`Kernels.decode_rows`).
+            x = jnp.pad(x, ((0, self.kernels.decode_rows - x.shape[0]), (0, 0)))
         cos, sin = rotary_cos_sin(inputs.positions, c.head_dim, c.rope_theta)  # [T, H] each
 
         apply_layer = jax.jit(functools.partial(_apply_layer, c, tp, self.kernels))
@@ -108,17 +109,6 @@ class Qwen3ForCausalLM(nn.Module):
         if tp > 1:  # all of V
             logits = jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
         return logits, kv_cache  # [S, V]
-
-
-def padded_decode(inputs: ModelInputs, num_rows: int) -> ModelInputs:
-    """A decode step's inputs with padding rows after its own, `num_rows` in all; the same
-    rows sampled. Padding writes nothing and attends to nothing."""
-    extra = num_rows - inputs.token_ids.shape[0]
-    padding = ModelInputs.padding(extra, extra, 0, inputs.block_tables.shape[1])
-    rows = [
-        jnp.concatenate([own, more]) for own, more in zip(inputs[:-1], padding[:-1], strict=True)
-    ]
-    return ModelInputs(*rows, inputs.sample_indices)
 
 
 def _apply_layer(config, tp_size, kernels, params, x, kv_cache, layer, cos, sin, inputs):
