@@ -333,7 +333,6 @@ class ModelRunner:
         return (
             bucket in self._forward_executables
             and (bucket.num_sampled, mode) in self._sample_executables
-            and self._fixed.has(packed_size(bucket))
             and (not logprobs or bucket.num_sampled in self._logprob_executables)
         )
 

@@ -205,21 +205,18 @@ class FixedInputs:
         self._buffers: dict[int, tuple[jax.Array, ...]] = {}
         self._on_devices = on_devices
 
-    def has(self, size: int) -> bool:
-        """Whether inputs of this packed size can be passed (their program is compiled)."""
-        return not self.enabled or size in self.executables
-
     def __call__(self, packed: np.ndarray, previous_tokens: jax.Array) -> tuple[jax.Array, ...]:
         """The inputs as the forward pass takes them: where enabled, in the buffers of their
         size."""
         new = (self._on_devices(packed), previous_tokens)
         if not self.enabled:
             return new
-        into = self._buffers.get(len(packed))
+        size = len(packed)
+        into = self._buffers.get(size)
         if into is None:
             into = tuple(self._on_devices(np.zeros(len(x), np.int32)) for x in new)
-        self._buffers[len(packed)] = self.executables[len(packed)](into, new)
-        return self._buffers[len(packed)]
+        self._buffers[size] = self.executables[size](into, new)  # compiled with the forward pass
+        return self._buffers[size]
 
     def reset(self) -> None:
         """Drops the buffers (a failed step may have deleted them by donation)."""
