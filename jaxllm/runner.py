@@ -362,8 +362,8 @@ class ModelRunner:
         self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array, masks
     ) -> tuple[jax.Array, np.ndarray | None]:
         """The forward pass's logits, and the bitmask `masks` gives (None without `masks`).
-        NOTE: on a GPU the forward call holds its thread ~0.5 ms (its CUDA graph's launch) with
-        the GIL released: called on a thread of its own, it overlaps the masks' host work."""
+        NOTE: on a GPU the forward call holds its thread ~1 ms (mostly its CUDA graph's launch)
+        with the GIL released: called on a thread of its own, it overlaps the masks' host work."""
         if masks is None:
             return self._run_forward(bucket, arrays, previous_tokens), None
         forward = self._dispatcher.submit(self._run_forward, bucket, arrays, previous_tokens)
