@@ -339,8 +339,9 @@ class Engine:
         """`plan`'s token bitmask, filled after the step in flight is applied (its tokens advance
         the grammars; its finished requests join `outputs`). A speculative plan's (`forward`
         None) before it is dispatched; for one step, while its forward pass (`forward`: the
-        future of its logits) is dispatched and runs, the next step planned then too so that its
-        forward pass follows this step's sampler at once (late: the forward pass was done)."""
+        future of its logits and settings) is dispatched and runs, the next step planned then
+        too so that its forward pass follows this step's sampler at once (late: the forward
+        pass was done)."""
         outputs += self._apply_in_flight(seconds)
         start = time.perf_counter()
         bitmask = self.grammars.bitmask(plan)
@@ -348,7 +349,7 @@ class Engine:
         if forward is not None:
             if not self.scheduler.needs_host_tokens:
                 self._next_plan = self.scheduler.schedule()
-            seconds["masks_late"] += forward.done() and forward.result().is_ready()
+            seconds["masks_late"] += forward.done() and forward.result()[0].is_ready()
         return bitmask
 
     def _check(self, plan: StepPlan, result: StepResult, seconds: dict) -> _Checked:

@@ -42,7 +42,7 @@ from jaxllm.model.qwen3 import COMPILER_OPTIONS, DEFAULT_OPTIMIZATION, Params, s
 from jaxllm.model.sampler import ONE_PASS_MODES, SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched import Bucket, StepPlan
-from jaxllm.steps import FixedInputs, StepResult, pack, packed_size, padding_step, previous_rows
+from jaxllm.steps import FixedInputs, StepResult, pack, padding_step, previous_rows
 from jaxllm.weights import from_hf_names, is_hf_named, placed_like
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,6 @@ class ModelRunner:
         self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
-        self._all_allowed: dict[int, jax.Array] = {}  # sampled rows -> a bitmask of every token
         self._mask_words = -(-config.vocab_size // 32)  # a token bitmask's int32 words a row
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # by sampled rows
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}  # and mode
@@ -228,14 +227,19 @@ class ModelRunner:
             for n in (rows if logprobs else ())
         ] + [
             (self._sample_executables, (n, mode), functools.partial(
-                self._sample.lower, logits[n], packed(SamplingInputs.padding(n)), mode=mode
+                self._sample.lower, logits[n], packed(SamplingInputs.padding(n)),
+                shape((n, self._mask_words), jnp.int32), mode=mode,
             ), options(n) | (DEFAULT_OPTIMIZATION if mode in ONE_PASS_MODES else {}))
             for n in rows for mode in sampler_modes
         ] + [
-            (self._fixed.executables, n, functools.partial(
-                self._fixed.write.lower, *[(shape((n,), jnp.int32), no_tokens)] * 2
+            (self._fixed.executables, (n, m), functools.partial(
+                self._fixed.write.lower, (shape((n,), jnp.int32), shape((m,), jnp.int32),
+                no_tokens), shape((n + m,), jnp.int32), no_tokens
             ), {})
-            for n in {packed_size(bucket) for bucket in single if self._fixed.enabled}
+            for n, m in {
+                (steps.packed_size(bucket), steps.settings_size(bucket.num_sampled))
+                for bucket in single if self._fixed.enabled
+            }
         ]  # fmt: skip
         programs = [program for program in programs if program[1] not in program[0]]
 
@@ -280,14 +284,11 @@ class ModelRunner:
         a cost kept off the first requests (vLLM captures its CUDA graphs at start-up likewise).
         Padding writes nothing (slot -1) and attends to nothing (context 0): the cache is unchanged.
         """
-        logits_by_rows = {}
+        forwards = {}  # sampled rows -> logits, greedy settings
         for bucket in self._forward_executables:
-            arrays = padding_step(bucket)
-            logits_by_rows[bucket.num_sampled] = self._run_forward(bucket, arrays, self._no_tokens)
-        results = []
-        for num_rows, mode in self._sample_executables:
-            greedy = SamplingInputs.padding(num_rows)
-            results.append(self._run_sampler(num_rows, mode, logits_by_rows[num_rows], greedy))
+            host = (pack(padding_step(bucket)), pack(SamplingInputs.padding(bucket.num_sampled)))
+            forwards[bucket.num_sampled] = self._run_forward(bucket, host, self._no_tokens)
+        results = [self._run_sampler(n, mode, *forwards[n]) for n, mode in self._sample_executables]
         for bucket, mode in self._multi_step_executables:
             step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens)
             results.append(self._run_steps(bucket, mode, *step)[0])
@@ -296,7 +297,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, masks: Callable | None = None) -> StepResult:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
         without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
-        rows' token bitmask: for one step, called with the future of the forward pass's logits
+        rows' token bitmask: for one step, called with the future of `_run_forward`'s result
         while it is dispatched (the host's work in it overlaps the dispatch and the device's);
         for several, with None before the plan is dispatched (the first step's, for all)."""
         bucket, sampling = plan.bucket, plan.sampling
@@ -310,14 +311,16 @@ class ModelRunner:
             arrays, bitmask = (*arrays, plan.step_slots), masks and masks(None)
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, bitmask, previous_tokens)
         else:
-            logits, bitmask = self._dispatch_forward(bucket, arrays, previous_tokens, masks)
-            if bitmask is not None:  # NOTE: raw logprobs read the masked logits, as vLLM's
-                logits = self.processors.mask(logits, bitmask, donate=True)
+            host = (pack(arrays), pack(sampling))
+            logits, settings, bitmask = self._dispatch_forward(bucket, host, previous_tokens, masks)
+            if bitmask is not None and (plan.processors is not None or plan.logprobs):
+                # NOTE: processors and raw logprobs read the masked logits, as vLLM's
+                logits, bitmask = self.processors.mask(logits, bitmask, donate=True), None
             processed = logits
             if plan.processors is not None:
                 donate = not plan.logprobs or self._processed_logprobs  # raw ones read them
                 processed, rows = self.processors.apply(logits, plan.processors, donate)
-            last, tokens = self._run_sampler(bucket.num_sampled, mode, processed, sampling)
+            last, tokens = self._run_sampler(bucket.num_sampled, mode, processed, settings, bitmask)
             if plan.processors is not None:
                 self.processors.count(rows, last)
             if plan.logprobs:
@@ -347,11 +350,7 @@ class ModelRunner:
     ) -> tuple[jax.Array, jax.Array]:
         """Dispatches a plan of several decode steps under `bitmask` (None: every token allowed);
         keeps its updated cache; returns every step's tokens (in host memory) and the last's."""
-        rows = bucket.num_sampled
-        if bitmask is None and rows not in self._all_allowed:  # kept on the device
-            every_token = self._on_devices(np.full((rows, self._mask_words), -1, np.int32))
-            self._all_allowed[rows] = jax.device_put(every_token, self._replicated)
-        bitmask = self._all_allowed[rows] if bitmask is None else self._on_devices(bitmask)
+        bitmask = self.processors.bitmask(bucket.num_sampled, bitmask)
         packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)), bitmask)
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
             self.params, self.kv_cache, *packed, previous_tokens
@@ -359,35 +358,37 @@ class ModelRunner:
         return tokens, last
 
     def _dispatch_forward(
-        self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array, masks
-    ) -> tuple[jax.Array, np.ndarray | None]:
-        """The forward pass's logits, and the bitmask `masks` gives (None without `masks`).
-        NOTE: on a GPU the forward call holds its thread ~1 ms (mostly its CUDA graph's launch)
-        with the GIL released: called on a thread of its own, it overlaps the masks' host work."""
+        self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens, masks
+    ) -> tuple[jax.Array, jax.Array | np.ndarray, np.ndarray | None]:
+        """`_run_forward`'s logits and settings, and the bitmask `masks` gives (None without
+        `masks`). NOTE: on a GPU the forward call holds its thread ~1 ms (mostly its CUDA graph's
+        launch) with the GIL released: on a thread of its own, it overlaps the masks' host work."""
         if masks is None:
-            return self._run_forward(bucket, arrays, previous_tokens), None
-        forward = self._dispatcher.submit(self._run_forward, bucket, arrays, previous_tokens)
+            return *self._run_forward(bucket, host, previous_tokens), None
+        forward = self._dispatcher.submit(self._run_forward, bucket, host, previous_tokens)
         try:
             bitmask = masks(forward)
         finally:  # it replaces `kv_cache`: done before anything else (a reset) touches that
             concurrent.futures.wait([forward])
-        return forward.result(), bitmask
+        return *forward.result(), bitmask
 
     def _run_forward(
-        self, bucket: Bucket, arrays: Sequence[np.ndarray], previous_tokens: jax.Array
-    ) -> jax.Array:
-        """Dispatches the bucket's model step; keeps its updated cache, returns its logits."""
-        inputs = self._fixed(pack(arrays), previous_tokens)
+        self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens: jax.Array
+    ) -> tuple[jax.Array, jax.Array | np.ndarray]:
+        """Dispatches the bucket's model step (`host`: its packed inputs, its sampler's packed
+        settings); keeps its updated cache, returns its logits and the settings as the sampler
+        takes them (`FixedInputs`)."""
+        packed, settings, previous_tokens = self._fixed(*host, previous_tokens)
         logits, self.kv_cache = self._forward_executables[bucket](
-            self.params, self.kv_cache, *inputs
+            self.params, self.kv_cache, packed, previous_tokens
         )
-        return logits
+        return logits, settings
 
     def _run_sampler(
-        self, num_rows: int, mode: str, logits: jax.Array, sampling: SamplingInputs
+        self, rows: int, mode: str, logits, settings, bitmask: np.ndarray | None = None
     ) -> tuple[jax.Array, jax.Array]:  # the tokens on the devices, and in host memory
-        packed = self._on_devices(pack(sampling))
-        return self._sample_executables[num_rows, mode](logits, packed)
+        bitmask = self.processors.bitmask(rows, bitmask)
+        return self._sample_executables[rows, mode](logits, settings, bitmask)
 
     def _on_devices(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A packed host array (equal in every process) as the executables take it: as it is

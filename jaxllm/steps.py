@@ -79,6 +79,11 @@ def packed_size(bucket: Bucket) -> int:
     return sum(map(np.size, padding_step(bucket)))
 
 
+def settings_size(num_rows: int) -> int:
+    """The size of `num_rows` sampled rows' packed `SamplingInputs`."""
+    return sum(map(np.size, SamplingInputs.padding(num_rows)))
+
+
 def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucket: Bucket):
     """The model step; `packed` holds its inputs, then `previous_rows`: a row naming a row of
     the previous step's sampled tokens takes that token as its token id."""
@@ -88,11 +93,13 @@ def forward_step(forward_fn, params, kv_cache, packed, previous_tokens, *, bucke
     return forward_fn(params, kv_cache, inputs._replace(token_ids=token_ids))
 
 
-def sample_step(logits, packed, *, num_rows: int, mode: str, fused_argmax: bool):
-    """Samples [S] tokens, padded to `num_rows`, so every step's result has one shape. Returns
+def sample_step(logits, packed, bitmask, *, num_rows: int, mode: str, fused_argmax: bool):
+    """Samples [S] tokens under the [S, ceil(V / 32)] token `bitmask` (structured outputs; all
+    bits set elsewhere), padded to `num_rows`, so every step's result has one shape. Returns
     them twice: for the next step on the devices, and for the host (`ModelRunner` places that
     copy in host memory)."""
     sampling = SamplingInputs(*unpack(packed, SamplingInputs.padding(logits.shape[0])))
+    logits = apply_bitmask(logits, bitmask)
     tokens = sample(logits, sampling, mode=mode, fused_argmax=fused_argmax)
     tokens = jnp.pad(tokens, (0, num_rows - logits.shape[0]))
     return tokens, tokens
@@ -177,8 +184,14 @@ class StepResult(NamedTuple):
     logprobs: jax.Array | None = None
 
 
-def write_inputs(into: tuple[jax.Array, ...], new: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """`new` written into `into`'s buffers (donated to the program, so updated in place)."""
+def write_inputs(
+    into: tuple[jax.Array, ...], packed: jax.Array, previous_tokens: jax.Array
+) -> tuple[jax.Array, ...]:
+    """`packed` (a forward pass's packed inputs, then its sampler's settings) and the previous
+    step's tokens written into `into`'s buffers (of the inputs, the settings, the tokens;
+    donated to the program, so updated in place)."""
+    size = into[0].shape[0]
+    new = (packed[:size], packed[size:], previous_tokens)
     return tuple(
         lax.dynamic_update_slice(buffer, values, (0,))
         for buffer, values in zip(into, new, strict=True)
@@ -186,11 +199,13 @@ def write_inputs(into: tuple[jax.Array, ...], new: tuple[jax.Array, ...]) -> tup
 
 
 class FixedInputs:
-    """A one-step forward pass's inputs (its packed host arrays, the previous step's tokens),
-    where `enabled`, written by a program of their own (`write_inputs`, one per packed size)
-    into buffers that keep their device addresses, so that XLA launches the forward pass's
-    CUDA graph as recorded. NOTE: XLA updates a graph whose arguments moved before launching
-    it: 0.42 ms of a 1.5 ms forward call at one row on an H100, traced (docs/performance.md).
+    """A one-step plan's host inputs (the forward pass's packed arrays and the previous step's
+    tokens, the sampler's packed settings), where `enabled`, written by a program of their own
+    (`write_inputs`, one per pair of sizes) in one transfer into buffers that keep their device
+    addresses, so that XLA launches the programs' CUDA graphs as recorded. NOTE: XLA updates a
+    graph whose arguments moved before launching it: 0.42 ms of a 1.5 ms forward call at one
+    row on an H100, traced; an executable's host array costs a transfer, ~0.1 ms of a sampler
+    call's 0.17 (docs/performance.md).
 
     Args:
         sharding: the buffers' (replicated over the mesh).
@@ -201,22 +216,25 @@ class FixedInputs:
     def __init__(self, sharding: jax.sharding.Sharding, on_devices: Callable, enabled: bool):
         self.enabled = enabled
         self.write = jax.jit(write_inputs, donate_argnums=0, out_shardings=sharding)
-        self.executables: dict[int, jax.stages.Compiled] = {}  # by packed size, compiled
-        self._buffers: dict[int, tuple[jax.Array, ...]] = {}
+        self.executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # by sizes, compiled
+        self._buffers: dict[tuple[int, int], tuple[jax.Array, ...]] = {}
         self._on_devices = on_devices
 
-    def __call__(self, packed: np.ndarray, previous_tokens: jax.Array) -> tuple[jax.Array, ...]:
-        """The inputs as the forward pass takes them: where enabled, in the buffers of their
-        size."""
-        new = (self._on_devices(packed), previous_tokens)
+    def __call__(
+        self, packed: np.ndarray, settings: np.ndarray, previous_tokens: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """The forward pass's packed inputs, the sampler's settings and the previous tokens as
+        their programs take them: where enabled, in the buffers of their sizes."""
         if not self.enabled:
-            return new
-        size = len(packed)
-        into = self._buffers.get(size)
+            return self._on_devices(packed), self._on_devices(settings), previous_tokens
+        sizes = (len(packed), len(settings))
+        into = self._buffers.get(sizes)
         if into is None:
-            into = tuple(self._on_devices(np.zeros(len(x), np.int32)) for x in new)
-        self._buffers[size] = self.executables[size](into, new)  # compiled with the forward pass
-        return self._buffers[size]
+            zeros = (np.zeros(size, np.int32) for size in (*sizes, len(previous_tokens)))
+            into = tuple(map(self._on_devices, zeros))
+        new = self._on_devices(np.concatenate([packed, settings]))
+        self._buffers[sizes] = self.executables[sizes](into, new, previous_tokens)
+        return self._buffers[sizes]
 
     def reset(self) -> None:
         """Drops the buffers (a failed step may have deleted them by donation)."""

@@ -6,7 +6,7 @@ invalid schema, regex or grammar is a ValueError then) and compiled in a backgro
 per distinct spec; a sequence whose grammar is still compiling waits in the queue
 (`SequenceGrammar.ready`). While the device runs a constrained step's forward pass, the engine
 advances the grammars past the previous step's tokens and fills the rows' masks in parallel
-(`Grammars.bitmask`), which the device applies (`model.logits_processors.apply_bitmask`). The
+(`Grammars.bitmask`), which the sampler applies (`model.logits_processors.apply_bitmask`). The
 scheduler stops a sequence when its grammar admits nothing more.
 
 Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too, while

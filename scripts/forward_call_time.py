@@ -17,8 +17,8 @@ With `--readback`, at one row: how long reading a step's sampled tokens back to 
 while the next forward call is being made on another thread (the tokens ready on the device,
 held in device memory or written by their program to pinned host memory), and a constrained
 stream's steps as the engine runs them (the next forward call made right after the sampler's,
-on a thread; the tokens read back, `--mask-us` of grammar work, the mask applied, the sampler
-called), ms per token with each kind of tokens.
+on a thread; the tokens read back, `--mask-us` of grammar work, the sampler called under the
+mask), ms per token with each kind of tokens.
 
 With `--generate`, times the forward calls of the decode steps of `generate` (by
 default 256 prompts of 500 tokens, 150 output tokens each; the first run compiles), the device
@@ -114,11 +114,11 @@ def main() -> None:
     blocks = -(-args.context // engine.scheduler.config.block_size)
     bucket = engine.scheduler.ladder.decode_bucket(args.batch, blocks)
     runner.compile([bucket], use_tqdm=False)
-    inputs, _ = bucket.padding()
-    arrays = (*inputs, np.full(bucket.num_tokens, -1, np.int32))
+    inputs, sampling = bucket.padding()
+    host = (pack((*inputs, np.full(bucket.num_tokens, -1, np.int32))), pack(sampling))
 
     def call():
-        call.last = runner._run_forward(bucket, arrays, runner._no_tokens)
+        call.last = runner._run_forward(bucket, host, runner._no_tokens)[0]
 
     call.last = runner.kv_cache
     call()
@@ -241,15 +241,19 @@ def readback(model: str, context: int, runs: int, mask_us: float) -> None:
     inputs, sampling = bucket.padding()
     previous = np.full(bucket.num_tokens, -1, np.int32)
     previous[0] = 0  # the row's token is the one the previous step sampled
-    arrays = (*inputs, previous)
     pinned = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
-    sample = functools.partial(steps.sample_step, num_rows=runner.max_sampled_rows, mode="greedy")
+    sample = functools.partial(
+        steps.sample_step, num_rows=runner.max_sampled_rows, mode="greedy",
+        fused_argmax=runner.kernels.fused_argmax,
+    )  # fmt: skip
     packed_sampling = pack(sampling)
-    logits = runner._run_forward(bucket, arrays, runner._no_tokens)
+    host = (pack((*inputs, previous)), packed_sampling)
+    logits = runner._run_forward(bucket, host, runner._no_tokens)[0]
+    every_token = runner.processors.bitmask(1, None)
     on_device = runner._replicated
     samplers = {  # the tokens for the next forward pass, and for the host
         name: jax.jit(sample, out_shardings=(on_device, for_host))
-        .lower(logits, packed_sampling)
+        .lower(logits, packed_sampling, every_token)
         .compile()
         for name, for_host in (("device", on_device), ("pinned host", pinned))
     }
@@ -257,7 +261,7 @@ def readback(model: str, context: int, runs: int, mask_us: float) -> None:
     pool = concurrent.futures.ThreadPoolExecutor(1)
 
     def forward(tokens):
-        return runner._run_forward(bucket, arrays, tokens)
+        return runner._run_forward(bucket, host, tokens)[0]
 
     def launch(tokens, started):
         started.set()
@@ -273,7 +277,7 @@ def readback(model: str, context: int, runs: int, mask_us: float) -> None:
             waits, left, calls = [], [], []
             for _ in range(runs):
                 logits = forward(runner._no_tokens)
-                tokens, host_tokens = sampler(logits, packed_sampling)
+                tokens, host_tokens = sampler(logits, packed_sampling, every_token)
                 if copy:
                     host_tokens.copy_to_host_async()
                 jax.block_until_ready(host_tokens)
@@ -294,15 +298,14 @@ def readback(model: str, context: int, runs: int, mask_us: float) -> None:
     for name, sampler in samplers.items():
         for _ in range(2):  # the first round warms up
             logits = forward(runner._no_tokens)
-            tokens, host_tokens = sampler(logits, packed_sampling)
+            tokens, host_tokens = sampler(logits, packed_sampling, every_token)
             future = pool.submit(forward, tokens)
             jax.block_until_ready(tokens)
             start = time.perf_counter()
             for _ in range(runs * 4):
                 np.asarray(host_tokens)
                 time.sleep(mask_us * 1e-6)  # the grammars advance, the masks fill
-                masked = runner.processors.mask(future.result(), bitmask, donate=True)
-                tokens, host_tokens = sampler(masked, packed_sampling)
+                tokens, host_tokens = sampler(future.result(), packed_sampling, bitmask)
                 future = pool.submit(forward, tokens)
             jax.block_until_ready(future.result())
             per_token = 1e3 * (time.perf_counter() - start) / (runs * 4)
@@ -325,15 +328,15 @@ def in_generate(model: str, num_prompts: int, prompt_len: int, max_tokens: int) 
 
     addresses = collections.defaultdict(list)
 
-    def timed(bucket, arrays, previous_tokens):
+    def timed(bucket, host, previous_tokens):
         if mode[0] == "idle":
             jax.block_until_ready(runner.kv_cache)
         start = time.perf_counter()
-        out = original(bucket, arrays, previous_tokens)
+        out = original(bucket, host, previous_tokens)
         if bucket[0] == "decode":
             times[mode[0]].append(time.perf_counter() - start)
             if mode[0] == "queued":
-                addresses["logits"].append(out.unsafe_buffer_pointer())
+                addresses["logits"].append(out[0].unsafe_buffer_pointer())
                 addresses["previous tokens"].append(previous_tokens.unsafe_buffer_pointer())
                 addresses["kv cache"].append(
                     jax.tree.leaves(runner.kv_cache)[0].unsafe_buffer_pointer()

@@ -60,6 +60,8 @@ def main() -> None:
     for rows in args.rows:
         logits = jnp.asarray(rng.normal(size=(rows, args.vocab)).astype(np.float32))
         programs = {}
+        words = -(-args.vocab // 32)
+        every_token = jnp.full((rows, words), -1, jnp.int32)
         for mode in args.modes:
             params = [SamplingParams(seed=row, **MODE_PARAMS[mode]) for row in range(rows)]
             packed = steps.pack(SamplingInputs.from_params(params, [0] * rows))
@@ -68,8 +70,7 @@ def main() -> None:
                     steps.sample_step, num_rows=rows, mode=mode, fused_argmax=fused
                 )
                 name = f"sample {mode}, {'fused' if fused else 'max, index'}"
-                programs[name] = (program, (logits, jnp.asarray(packed)))
-        words = -(-args.vocab // 32)
+                programs[name] = (program, (logits, jnp.asarray(packed), every_token))
         bitmask = rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64).astype(np.int32)
         programs["token mask"] = (apply_bitmask, (logits, jnp.asarray(bitmask)))
         for name, (program, program_args) in programs.items():

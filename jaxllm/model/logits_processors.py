@@ -14,7 +14,8 @@ vLLM's order and formulas, on float32 logits, in `process`:
 A row left with no token to sample (its allowed tokens and its grammar's mask exclude every one)
 keeps the logits it came with, masked by the grammar.
 
-Structured outputs' token masks are applied here too (`apply_bitmask`), before the rest.
+Structured outputs' token masks (`apply_bitmask`) come first: applied here in a step with
+processors or logprobs, which read the masked logits, else inside the sampler's program.
 
 Legend: R slots, V vocab, S sampled rows.
 """
@@ -120,7 +121,8 @@ EDIT_CHUNK = 64
 class LogitsProcessors:
     """The slots' state on the device, allocated when a step first asks for processing, and
     the programs over it, compiled then (no start-up cost for engines that never see a
-    penalty); and the program applying token masks, compiled when first used.
+    penalty); the program applying token masks, compiled when first used; and the token
+    bitmasks as the programs take them (`bitmask`).
 
     Args:
         num_slots, vocab_size: the state's shape ([R, V]).
@@ -167,6 +169,7 @@ class LogitsProcessors:
         self._executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) -> process
         self._count_executables: dict[int, Any] = {}  # rows ->
         self._mask_executables: dict[tuple[int, bool], Any] = {}  # (rows, donate) ->
+        self._every_token: dict[int, jax.Array] = {}  # rows -> a bitmask allowing every token
 
     def reset(self) -> None:
         self.state = None
@@ -226,6 +229,16 @@ class LogitsProcessors:
                 )
                 self._mask_executables[size, donate] = lowered.compile()
         return self._mask_executables[key](logits, self._on_devices(bitmask))
+
+    def bitmask(self, num_rows: int, bitmask: np.ndarray | None) -> jax.Array | np.ndarray:
+        """A host [S, ceil(V / 32)] token bitmask as the programs take it; None: one allowing
+        every token, kept on the devices."""
+        if bitmask is not None:
+            return self._on_devices(bitmask)
+        if num_rows not in self._every_token:
+            every = np.full((num_rows, -(-self.shape[1] // 32)), -1, np.int32)
+            self._every_token[num_rows] = jax.device_put(self._on_devices(every), self._sharding)
+        return self._every_token[num_rows]
 
     def _shaped(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)

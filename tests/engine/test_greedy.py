@@ -21,7 +21,7 @@ from support.engine import (
 from support.hf import VOCAB_SIZE
 
 from jaxllm.platform import Platform
-from jaxllm.steps import FixedInputs, packed_size
+from jaxllm.steps import FixedInputs, packed_size, settings_size
 
 # name -> engine settings over BASE_SETTINGS
 SCHEDULES = {
@@ -82,23 +82,28 @@ def test_forward_passes_read_their_inputs_from_buffers_of_fixed_addresses(
     checkpoint, greedy_prompts, greedy_reference, monkeypatch
 ):
     """With the kernels' `fixed_inputs` (on an NVIDIA GPU) a program of their own writes each
-    one-step forward pass's inputs into buffers of their packed size, in place: the same
-    tokens, through preemption, and each size's buffers at one device address."""
+    one-step plan's inputs (the forward pass's, the sampler's settings) into buffers of their
+    packed sizes, in place: the same tokens, through preemption, and each pair of sizes'
+    buffers at one device address."""
     kernels = Platform.kernels
     fixed = lambda self, *args: dataclasses.replace(kernels(self, *args), fixed_inputs=True)
     with mock.patch.object(Platform, "kernels", fixed):
         llm = make_llm_with(checkpoint.path, **BASE_SETTINGS, **SCHEDULES["preemption"])
     runner = llm.engine.runner
-    sizes = {packed_size(bucket) for bucket in runner.ladder if bucket.num_steps == 1}
+    sizes = {
+        (packed_size(bucket), settings_size(bucket.num_sampled))
+        for bucket in runner.ladder
+        if bucket.num_steps == 1
+    }
     assert set(runner._fixed.executables) == sizes
     addresses = collections.defaultdict(set)
     call = FixedInputs.__call__
 
-    def spying(self, packed, previous_tokens):
-        inputs = call(self, packed, previous_tokens)
-        addresses[len(packed)].add(tuple(x.unsafe_buffer_pointer() for x in inputs))
-        np.testing.assert_array_equal(inputs[0], packed)
-        np.testing.assert_array_equal(inputs[1], previous_tokens)
+    def spying(self, packed, settings, previous_tokens):
+        inputs = call(self, packed, settings, previous_tokens)
+        addresses[len(packed), len(settings)].add(tuple(x.unsafe_buffer_pointer() for x in inputs))
+        for written, given in zip(inputs, (packed, settings, previous_tokens), strict=True):
+            np.testing.assert_array_equal(written, given)
         return inputs
 
     monkeypatch.setattr(FixedInputs, "__call__", spying)

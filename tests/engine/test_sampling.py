@@ -4,13 +4,17 @@ whatever else is in the batch."""
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import numpy as np
 import pytest
-from support.engine import BASE_SETTINGS, assert_idle
+from support.engine import BASE_SETTINGS, assert_idle, make_llm_with
 from support.hf import VOCAB_SIZE
 from support.sampling import assert_matches, exact_distribution
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.platform import Platform
 
 NUM_SEEDS = 2000
 TEMPERATURE = 0.4
@@ -86,6 +90,30 @@ def test_seeded_requests_ignore_the_steps_per_plan(make_llm):
         make_llm(num_scheduler_steps=n).generate(prompts, params, use_tqdm=False) for n in (1, 5)
     )
     assert [o.token_ids for o in one] == [o.token_ids for o in five]
+
+
+def test_seeded_requests_ignore_where_the_sampler_reads_its_settings(make_llm, checkpoint):
+    """With the kernels' `fixed_inputs` (NVIDIA GPUs) the sampler reads its rows' settings
+    from the buffers `FixedInputs` writes with the forward pass's inputs, not from a host
+    array of its own: the same draws, row for row, step by step."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, VOCAB_SIZE, n).tolist() for n in (3, 40, 17)]
+    params = [
+        SamplingParams(temperature=t, top_k=k, max_tokens=13, seed=s, ignore_eos=True)
+        for t, k, s in ((1.0, 0, 7), (0.7, 20, 2**40 + 3), (1.3, 5, 11))
+    ]
+    kernels = Platform.kernels
+    fixed = lambda self, *args: dataclasses.replace(kernels(self, *args), fixed_inputs=True)
+    with mock.patch.object(Platform, "kernels", fixed):
+        fixed_llm = make_llm_with(checkpoint.path, **BASE_SETTINGS)  # not shared
+    host_llm = make_llm()
+    assert fixed_llm.engine.runner._fixed.enabled and not host_llm.engine.runner._fixed.enabled
+
+    fixed_outputs, host_outputs = (
+        llm.generate(prompts, params, use_tqdm=False) for llm in (fixed_llm, host_llm)
+    )
+    assert [o.token_ids for o in fixed_outputs] == [o.token_ids for o in host_outputs]
+    assert len({tuple(o.token_ids) for o in fixed_outputs}) == 3
 
 
 def test_seeded_request_ignores_its_batch(llm):
