@@ -283,8 +283,6 @@ class Engine:
                 if self.scheduler.num_constrained and any(grammar_rows(plan)):
                     masks = functools.partial(self._masks, plan, seconds, outputs)
                 result = self.runner.execute(plan, masks)
-                if self._next_plan is not None:  # planned while the masks filled
-                    self.runner.dispatch_ahead(self._next_plan)
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
             dispatch_seconds = time.perf_counter() - dispatch_start - (seconds["wait"] - waited)

@@ -12,6 +12,7 @@ arrays.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import os
@@ -122,7 +123,7 @@ class ModelRunner:
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
         self._fixed = FixedInputs(self._replicated, self._on_devices, kernels.fixed_inputs)
-        self._dispatcher = steps.Dispatcher()
+        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-dispatch")
         self.processors = LogitsProcessors(
             num_processor_slots, config.vocab_size, self._replicated, self._on_devices,
             processor_rows, max_sampled_rows,
@@ -149,7 +150,6 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets the steps dispatched so far; awake, allocates the KV cache again, empty (a
         failed step may have deleted it by donation, or left it in an error state)."""
-        self._dispatcher.settle()
         awake, self._previous = self.kv_cache is not None, None
         self._fixed.reset()
         self.kv_cache = None  # NOTE: freed before its successor is allocated
@@ -159,7 +159,6 @@ class ModelRunner:
     def update_params(self, params: Params, donate: bool = False) -> None:
         """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of
         Hugging Face names is laid out as the engine's first."""
-        self._dispatcher.settle()
         if is_hf_named(params):
             params = from_hf_names(params, self.config, self._param_shapes)
         self.params = placed_like(params, self.params or self._param_shapes, donate)
@@ -167,7 +166,6 @@ class ModelRunner:
     def sleep(self, weights: bool = False) -> None:
         """Frees the KV cache (and drops the weights, with `weights`); `wake_up` allocates it
         again. Nothing compiled is lost."""
-        self._dispatcher.settle()
         jax.tree.map(lambda array: array.delete(), self.kv_cache)
         self.kv_cache = None
         self.reset()  # asleep: allocates nothing
@@ -300,22 +298,21 @@ class ModelRunner:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
         without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
         rows' token bitmask: for one step, called with the future of `_run_forward`'s result
-        while it is dispatched (or was, `dispatch_ahead`; its host work overlaps the device's);
+        while it is dispatched (the host's work in it overlaps the dispatch and the device's);
         for several, with None before the plan is dispatched (the first step's, for all)."""
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
         if not self._has_executables(bucket, mode, plan.logprobs):
             self._compile_for(bucket, mode, plan.logprobs)
+        previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
+        arrays = (*plan.inputs, previous_rows(plan, previous_plan))
         logprobs = None
         if bucket.num_steps > 1:
-            self._dispatcher.settle()
-            previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
-            rows, bitmask = previous_rows(plan, previous_plan), masks and masks(None)
-            arrays = (*plan.inputs, rows, plan.step_slots)
+            arrays, bitmask = (*arrays, plan.step_slots), masks and masks(None)
             tokens, last = self._run_steps(bucket, mode, arrays, sampling, bitmask, previous_tokens)
         else:
-            forward = self._dispatcher.forward  # the pass dispatched ahead, or now
-            (logits, settings), bitmask = forward(plan, self._run_forward, self._host_inputs, masks)
+            host = (pack(arrays), pack(sampling))
+            logits, settings, bitmask = self._dispatch_forward(bucket, host, previous_tokens, masks)
             if bitmask is not None and (plan.processors is not None or plan.logprobs):
                 # NOTE: processors and raw logprobs read the masked logits, as vLLM's
                 logits, bitmask = self.processors.mask(logits, bitmask, donate=True), None
@@ -360,19 +357,20 @@ class ModelRunner:
         )
         return tokens, last
 
-    def dispatch_ahead(self, plan: StepPlan) -> None:
-        """Dispatches the next step's forward pass (one step, compiled) on the dispatcher's
-        thread, for `execute(plan)` to take up: the host's work between the steps overlaps it."""
-        mode = sampler_mode(*plan.sampling[:4], self.config.vocab_size)
-        if plan.bucket.num_steps == 1 and self._has_executables(plan.bucket, mode, plan.logprobs):
-            self._dispatcher.ahead(plan, self._run_forward, self._host_inputs)
-
-    def _host_inputs(self, plan: StepPlan) -> tuple[tuple[np.ndarray, np.ndarray], jax.Array]:
-        """A one-step plan's packed host arrays (its forward pass's inputs, its sampler's
-        settings) and the previous step's tokens."""
-        previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
-        arrays = (*plan.inputs, previous_rows(plan, previous_plan))
-        return (pack(arrays), pack(plan.sampling)), previous_tokens
+    def _dispatch_forward(
+        self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens, masks
+    ) -> tuple[jax.Array, jax.Array | np.ndarray, np.ndarray | None]:
+        """`_run_forward`'s logits and settings, and the bitmask `masks` gives (None without
+        `masks`). NOTE: on a GPU the forward call holds its thread ~1 ms (mostly its CUDA graph's
+        launch) with the GIL released: on a thread of its own, it overlaps the masks' host work."""
+        if masks is None:
+            return *self._run_forward(bucket, host, previous_tokens), None
+        forward = self._dispatcher.submit(self._run_forward, bucket, host, previous_tokens)
+        try:
+            bitmask = masks(forward)
+        finally:  # it replaces `kv_cache`: done before anything else (a reset) touches that
+            concurrent.futures.wait([forward])
+        return *forward.result(), bitmask
 
     def _run_forward(
         self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens: jax.Array

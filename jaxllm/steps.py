@@ -7,7 +7,6 @@ A step's inputs travel packed into one int32 array (`pack`), unpacked inside the
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -240,50 +239,3 @@ class FixedInputs:
     def reset(self) -> None:
         """Drops the buffers (a failed step may have deleted them by donation)."""
         self._buffers.clear()
-
-
-class Dispatcher:
-    """The thread that dispatches one-step forward passes (`ModelRunner._run_forward`), so that
-    the host's work for a constrained step (its masks, the next plan) overlaps the forward call,
-    which on a GPU holds its thread ~1 ms with the GIL released; and the one such pass
-    dispatched ahead, for the plan after the step just dispatched (`ModelRunner.execute` takes
-    it up). NOTE: a pass replaces the runner's KV cache: `settle` before anything else
-    touches that."""
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-dispatch")
-        self._ahead: tuple[StepPlan, concurrent.futures.Future] | None = None
-
-    def forward(self, plan: StepPlan, run: Callable, args: Callable, masks: Callable | None):
-        """`run(plan.bucket, *args(plan))`, `plan`'s forward pass, and the bitmask `masks` gives
-        (None without `masks`): the pass dispatched ahead, else dispatched now, on this thread
-        without `masks`, else on the dispatcher's while `masks(future)` fills the bitmask."""
-        forward = self.take(plan)
-        if forward is None and masks is None:
-            return run(plan.bucket, *args(plan)), None
-        if forward is None:
-            forward = self._pool.submit(run, plan.bucket, *args(plan))
-        try:
-            bitmask = masks and masks(forward)
-        finally:  # it replaces the KV cache: done before anything else (a reset) touches that
-            concurrent.futures.wait([forward])
-        return forward.result(), bitmask
-
-    def ahead(self, plan: StepPlan, run: Callable, args: Callable) -> None:
-        """Dispatches `plan`'s forward pass, as `forward` would, for `forward(plan)` to take up."""
-        self.settle()
-        self._ahead = (plan, self._pool.submit(run, plan.bucket, *args(plan)))
-
-    def take(self, plan: StepPlan | None) -> concurrent.futures.Future | None:
-        """The future of `plan`'s pass dispatched ahead; else None, another plan's pass waited
-        for and forgotten (its plan dropped: its error too)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] is plan:
-            return ahead[1]
-        if ahead is not None:
-            concurrent.futures.wait([ahead[1]])
-        return None
-
-    def settle(self) -> None:
-        """Waits for and forgets the pass dispatched ahead, if any."""
-        self.take(None)

@@ -496,59 +496,6 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
     assert_idle(text_llm)
 
 
-def test_constrained_steps_take_forward_passes_dispatched_ahead(text_llm, monkeypatch):
-    """The plan after a constrained step, made while its masks fill, has its forward pass
-    dispatched right after the step's sampler (`ModelRunner.dispatch_ahead`), and the next step
-    takes it up: the same tokens as with every pass dispatched in its own step."""
-    runner = text_llm.engine.runner
-    constraint = StructuredOutputsParams(regex="[a-z]{4}( [a-z]{2,5}){3}")
-    take, taken = runner._dispatcher.take, []
-
-    def counting(plan):
-        forward = take(plan)
-        taken.append(forward is not None)
-        return forward
-
-    monkeypatch.setattr(runner._dispatcher, "take", counting)
-    ahead = sample_all(text_llm, constraint)
-    monkeypatch.setattr(runner, "dispatch_ahead", lambda plan: None)
-    in_own_steps = sample_all(text_llm, constraint)
-
-    assert [c.token_ids for c in ahead] == [c.token_ids for c in in_own_steps]
-    assert sum(taken) > len(taken) / 4
-    assert all(re.fullmatch("[a-z]{4}( [a-z]{2,5}){3}", c.text) for c in ahead)
-    assert_idle(text_llm)
-
-
-def test_a_failure_of_a_forward_pass_dispatched_ahead_resets_the_engine(text_llm, monkeypatch):
-    """A forward pass dispatched ahead that fails raises in the step that takes it up, which
-    resets the engine; the LLM keeps working."""
-    runner = text_llm.engine.runner
-    dispatch_ahead, dispatched = runner.dispatch_ahead, []
-
-    def failing(*args):
-        raise RuntimeError("forward pass failed")
-
-    def failing_ahead(plan):  # the second pass dispatched ahead fails
-        dispatched.append(plan)
-        if len(dispatched) == 2:
-            runner._run_forward = failing
-        try:
-            dispatch_ahead(plan)
-        finally:
-            vars(runner).pop("_run_forward", None)
-
-    monkeypatch.setattr(runner, "dispatch_ahead", failing_ahead)
-    params = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(regex="a+"))
-    with pytest.raises(RuntimeError, match="forward pass failed"):
-        text_llm.generate("x", params, use_tqdm=False)
-    assert len(dispatched) == 2
-    monkeypatch.undo()
-    [output] = text_llm.generate("x", params, use_tqdm=False)
-    assert re.fullmatch("a+", output.outputs[0].text)
-    assert_idle(text_llm)
-
-
 @pytest.fixture(scope="module")
 def speculating_llm(make_text_llm):
     """`text_llm` with 4 decode steps a plan: constrained rows speculate past their first."""
