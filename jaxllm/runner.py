@@ -135,7 +135,6 @@ class ModelRunner:
         self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
         self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
-        self._mask_words = -(-config.vocab_size // 32)  # a token bitmask's int32 words a row
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # by sampled rows
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}  # and mode
         # NOTE: what the model's programs depend on besides their arguments (`depends_on`)
@@ -214,7 +213,7 @@ class ModelRunner:
         ] + [
             (self._multi_step_executables, (bucket, mode), functools.partial(
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
-                packed(bucket.padding()[1]), shape((bucket.num_sampled, self._mask_words),
+                packed(bucket.padding()[1]), shape((bucket.num_sampled, self.processors.mask_words),
                 jnp.int32), no_tokens, bucket=bucket, mode=mode,
             ), options(bucket.num_tokens, loop=True))
             for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
@@ -228,7 +227,7 @@ class ModelRunner:
         ] + [
             (self._sample_executables, (n, mode), functools.partial(
                 self._sample.lower, logits[n], packed(SamplingInputs.padding(n)),
-                shape((n, self._mask_words), jnp.int32), mode=mode,
+                shape((n, self.processors.mask_words), jnp.int32), mode=mode,
             ), options(n) | (DEFAULT_OPTIMIZATION if mode in ONE_PASS_MODES else {}))
             for n in rows for mode in sampler_modes
         ] + [

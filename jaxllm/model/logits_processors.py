@@ -146,6 +146,7 @@ class LogitsProcessors:
         num_tokens: int = 1,
     ) -> None:
         self.shape = (num_slots, vocab_size)
+        self.mask_words = -(-vocab_size // 32)  # a token bitmask's int32 words a row
         self.state: ProcessorState | None = None
         self._sharding, self._on_devices = sharding, on_devices
         self._row_sizes, self._num_tokens = row_sizes, num_tokens
@@ -236,7 +237,7 @@ class LogitsProcessors:
         if bitmask is not None:
             return self._on_devices(bitmask)
         if num_rows not in self._every_token:
-            every = np.full((num_rows, -(-self.shape[1] // 32)), -1, np.int32)
+            every = np.full((num_rows, self.mask_words), -1, np.int32)
             self._every_token[num_rows] = jax.device_put(self._on_devices(every), self._sharding)
         return self._every_token[num_rows]
 
