@@ -7,6 +7,7 @@
 #   bash scripts/device_run.sh shared-prefix:interleaved:on shared-prefix:interleaved:off
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh sampler-time  # the sampler's programs, either argmax, and the mask
+#   bash scripts/device_run.sh sampler-call  # how long the sampler's call holds the host
 #   bash scripts/device_run.sh kernels:--cases,1x512,--splits,8,32,64  # the decode kernel's splits
 #   bash scripts/device_run.sh startup  # cold and warm start-up: imports, phases, compilations
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
@@ -136,6 +137,7 @@ for stage in "$@"; do
       args=${stage#kernels:}
       logged "kernels${args//,/}" 60 $ONE_GPU python3 scripts/attention_kernels.py ${args//,/ } ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
+    sampler-call) logged "$stage" 12 $ONE_GPU python3 scripts/sampler_call_time.py ;;
     sampler-time) logged "$stage" 20 $ONE_GPU python3 scripts/sampler_time.py --rows 8 256 \
       --repeat 50 ;;
     grammar-backends) logged "$stage" 30 python3 scripts/grammar_backends.py \
