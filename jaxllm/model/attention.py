@@ -51,8 +51,9 @@ class Kernels:
             (`sampler.noisy_argmax`).
         decode_rows: a decode step of fewer rows runs its layers on this many, the rest
             padding (`qwen3.padded_decode`).
-        fixed_inputs: a one-step forward pass reads its inputs from buffers that keep their
-            device addresses (`ModelRunner`), so XLA launches its CUDA graph without updating it.
+        fixed_inputs: a one-step plan's forward pass and sampler read their inputs from buffers
+            that keep their device addresses (`steps.FixedInputs`), so XLA launches their CUDA
+            graphs without updating them.
     """
 
     prefill: str = "reference"

@@ -5,8 +5,6 @@ change nothing."""
 from __future__ import annotations
 
 import collections
-import dataclasses
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,12 +13,12 @@ from support.engine import (
     BLOCK_SIZE,
     NUM_GREEDY_TOKENS,
     assert_idle,
+    gpu_kernel_settings,
     greedy_params,
     make_llm_with,
 )
 from support.hf import VOCAB_SIZE
 
-from jaxllm.platform import Platform
 from jaxllm.steps import FixedInputs, packed_size, settings_size
 
 # name -> engine settings over BASE_SETTINGS
@@ -66,9 +64,7 @@ def test_decode_steps_on_padding_rows_equal_transformers(
 ):
     """Decode steps of fewer rows than the kernels' `decode_rows` (8 on an NVIDIA GPU) run their
     layers on padding rows up to it: the same tokens."""
-    kernels = Platform.kernels
-    on_8_rows = lambda self, *args: dataclasses.replace(kernels(self, *args), decode_rows=8)
-    with mock.patch.object(Platform, "kernels", on_8_rows):
+    with gpu_kernel_settings(decode_rows=8):
         llm = make_llm_with(checkpoint.path, **BASE_SETTINGS)
     assert llm.engine.runner.kernels.decode_rows == 8
 
@@ -85,9 +81,7 @@ def test_forward_passes_read_their_inputs_from_buffers_of_fixed_addresses(
     one-step plan's inputs (the forward pass's, the sampler's settings) into buffers of their
     packed sizes, in place: the same tokens, through preemption, and each pair of sizes'
     buffers at one device address."""
-    kernels = Platform.kernels
-    fixed = lambda self, *args: dataclasses.replace(kernels(self, *args), fixed_inputs=True)
-    with mock.patch.object(Platform, "kernels", fixed):
+    with gpu_kernel_settings(fixed_inputs=True):
         llm = make_llm_with(checkpoint.path, **BASE_SETTINGS, **SCHEDULES["preemption"])
     runner = llm.engine.runner
     sizes = {

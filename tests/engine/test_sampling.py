@@ -4,17 +4,13 @@ whatever else is in the batch."""
 
 from __future__ import annotations
 
-import dataclasses
-from unittest import mock
-
 import numpy as np
 import pytest
-from support.engine import BASE_SETTINGS, assert_idle, make_llm_with
+from support.engine import BASE_SETTINGS, assert_idle, gpu_kernel_settings, make_llm_with
 from support.hf import VOCAB_SIZE
 from support.sampling import assert_matches, exact_distribution
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.platform import Platform
 
 NUM_SEEDS = 2000
 TEMPERATURE = 0.4
@@ -102,9 +98,7 @@ def test_seeded_requests_ignore_where_the_sampler_reads_its_settings(make_llm, c
         SamplingParams(temperature=t, top_k=k, max_tokens=13, seed=s, ignore_eos=True)
         for t, k, s in ((1.0, 0, 7), (0.7, 20, 2**40 + 3), (1.3, 5, 11))
     ]
-    kernels = Platform.kernels
-    fixed = lambda self, *args: dataclasses.replace(kernels(self, *args), fixed_inputs=True)
-    with mock.patch.object(Platform, "kernels", fixed):
+    with gpu_kernel_settings(fixed_inputs=True):
         fixed_llm = make_llm_with(checkpoint.path, **BASE_SETTINGS)  # not shared
     host_llm = make_llm()
     assert fixed_llm.engine.runner._fixed.enabled and not host_llm.engine.runner._fixed.enabled

@@ -155,17 +155,9 @@ def test_pallas_decode_kernels_under_the_mesh(checkpoint):
 def test_gpu_step_settings_under_the_mesh(checkpoint):
     """The "pallas" kernels at TP=2 with an NVIDIA GPU's other settings: decode steps on 8 rows,
     and forward passes reading their inputs from buffers of fixed addresses."""
-    import dataclasses
-    from unittest import mock
+    from support.engine import gpu_kernel_settings
 
-    from jaxllm.platform import Platform
-
-    kernels = Platform.kernels
-
-    def gpu(self, *args):
-        return dataclasses.replace(kernels(self, *args), decode_rows=8, fixed_inputs=True)
-
-    with mock.patch.object(Platform, "kernels", gpu):
+    with gpu_kernel_settings(decode_rows=8, fixed_inputs=True):
         check_greedy_tokens_and_shards(checkpoint, 2, HEADS, KV_HEADS, HEAD_DIM, "pallas")
 
 

@@ -6,11 +6,13 @@ bucket takes about half a second to compile, so tests reuse a few small ladders.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from unittest import mock
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.platform import ATTENTION_ENV
+from jaxllm.platform import ATTENTION_ENV, Platform
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
@@ -31,6 +33,16 @@ BASE_SETTINGS = dict(
 
 def greedy_params(num_tokens: int = NUM_GREEDY_TOKENS, **fields) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, **fields)
+
+
+@contextlib.contextmanager
+def gpu_kernel_settings(**changes):
+    """Engines built inside run this platform's kernels with `changes` (`Kernels` fields an
+    NVIDIA GPU sets, e.g. `fixed_inputs=True`), so their host paths run on a CPU too."""
+    kernels = Platform.kernels
+    changed = lambda self, *args: dataclasses.replace(kernels(self, *args), **changes)
+    with mock.patch.object(Platform, "kernels", changed):
+        yield
 
 
 def make_llm_with(model, attention: str | None = None, **settings) -> LLM:
