@@ -8,6 +8,7 @@
 #   bash scripts/device_run.sh kernels tp-flash-check profile-host decode-step-hlo
 #   bash scripts/device_run.sh sampler-time  # the sampler's programs, either argmax, and the mask
 #   bash scripts/device_run.sh sampler-call  # how long the sampler's call holds the host
+#   bash scripts/device_run.sh mailbox:--work-ms,1.2 mailbox:--loop  # a step's token to the host and back
 #   bash scripts/device_run.sh kernels:--cases,1x512,--splits,8,32,64  # the decode kernel's splits
 #   bash scripts/device_run.sh startup  # cold and warm start-up: imports, phases, compilations
 #   bash scripts/device_run.sh forward-call cb-updates  # the host's time in a step's forward call
@@ -138,6 +139,10 @@ for stage in "$@"; do
       logged "kernels${args//,/}" 60 $ONE_GPU python3 scripts/attention_kernels.py ${args//,/ } ;;
     tp-flash-check) logged "$stage" 40 python3 scripts/tp_flash_check.py ;;
     sampler-call) logged "$stage" 12 $ONE_GPU python3 scripts/sampler_call_time.py ;;
+    mailbox:*)  # mailbox:<mailbox_probe.py arguments, comma-separated>
+      args=${stage#mailbox:}
+      logged "mailbox${args//,/}" 12 $ONE_GPU timeout 300 python3 scripts/mailbox_probe.py \
+        ${args//,/ } ;;
     sampler-time) logged "$stage" 20 $ONE_GPU python3 scripts/sampler_time.py --rows 8 256 \
       --repeat 50 ;;
     grammar-backends) logged "$stage" 30 python3 scripts/grammar_backends.py \
