@@ -22,7 +22,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, accept_tokens, ahead_holds, grammar_rows
+from jaxllm.structured import Grammars, StepwiseMasks, accept_tokens, ahead_holds, grammar_rows
 from jaxllm.weights import deleted_leaf
 
 
@@ -269,7 +269,7 @@ class Engine:
         try:
             plan, self._next_plan = self._next_plan, None
             checked = None  # the step before, checked, to apply once this one is dispatched
-            speculated = self._in_flight is not None and self._in_flight[0].speculative
+            speculated = self._in_flight is not None and self._speculative(self._in_flight[0])
             if plan is None and speculated:
                 plan, checked = self._plan_past_speculation(seconds, outputs)
             elif self.scheduler.needs_host_tokens or speculated:
@@ -279,10 +279,12 @@ class Engine:
             dispatch_start, waited = time.perf_counter(), seconds["wait"]
             result = None
             if plan is not None:
-                masks = None
+                masks = stepwise = None
                 if self.scheduler.num_constrained and any(grammar_rows(plan)):
                     masks = functools.partial(self._masks, plan, seconds, outputs)
-                result = self.runner.execute(plan, masks)
+                    if plan.speculative and not self._speculative(plan):
+                        stepwise = StepwiseMasks(plan, self.grammars.vocab_size)
+                result = self.runner.execute(plan, masks, stepwise)
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
             dispatch_seconds = time.perf_counter() - dispatch_start - (seconds["wait"] - waited)
@@ -328,6 +330,11 @@ class Engine:
         outputs += self._apply(checked)
         return None, None
 
+    def _speculative(self, plan: StepPlan) -> bool:
+        """Whether `plan`'s constrained rows speculate: several steps under their first step's
+        mask, where no mailbox gives each step its own (`runner.mailbox`)."""
+        return plan.speculative and self.runner.mailbox is None
+
     def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
         """Applies the step in flight, if any, adding its wait to `seconds`."""
         if self._in_flight is None:
@@ -360,8 +367,12 @@ class Engine:
         logprobs = None if result.logprobs is None else np.asarray(result.logprobs)
         now = time.perf_counter()
         seconds["wait"] += now - wait_start
-        constrained = self.scheduler.num_constrained
-        accepted = accept_tokens(plan, *plan.row_tokens(sampled)) if constrained else {}
+        if result.kept is not None:  # advanced step by step while the plan ran
+            accepted = result.kept.result()
+        elif self.scheduler.num_constrained:
+            accepted = accept_tokens(plan, *plan.row_tokens(sampled))
+        else:
+            accepted = {}
         return _Checked(plan, sampled, logprobs, accepted, now)
 
     def _apply(self, checked: _Checked) -> list[RequestOutput]:

@@ -150,6 +150,7 @@ class Platform:
             fused_argmax=self.backend != "cpu",
             decode_rows=GPU_DECODE_ROWS if self.nvidia else 1,
             fixed_inputs=self.nvidia,
+            mailbox="device" if self.nvidia else None,
         )
 
     @property

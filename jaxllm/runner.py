@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxllm import steps
 from jaxllm.executables import ExecutableStore, depends_on
+from jaxllm.handoff import Mailbox
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
@@ -38,7 +39,7 @@ from jaxllm.model.kv_cache import (
     kv_cache_shapes,
 )
 from jaxllm.model.logits_processors import LogitsProcessors
-from jaxllm.model.qwen3 import COMPILER_OPTIONS, DEFAULT_OPTIMIZATION, Params, sharded_forward
+from jaxllm.model.qwen3 import DEFAULT_OPTIMIZATION, Params, sharded_forward
 from jaxllm.model.sampler import ONE_PASS_MODES, SAMPLER_MODES, STARTUP_SAMPLER_MODES, sampler_mode
 from jaxllm.model.sharding import partitioner_for, replicated
 from jaxllm.sched import Bucket, StepPlan
@@ -97,28 +98,11 @@ class ModelRunner:
         self.max_sampled_rows = max_sampled_rows
         self._processed_logprobs = processed_logprobs
         self._replicated = replicated(mesh)
-        # NOTE: tokens for the host, written there by their program (read in 0.04 ms, not 0.38)
-        self._host = replicated(mesh, "pinned_host")
-        forward = sharded_forward(config, mesh, kernels)
-        sampling_args = dict(num_rows=max_sampled_rows, fused_argmax=kernels.fused_argmax)
-        self._forward = jax.jit(
-            functools.partial(steps.forward_step, forward), static_argnames="bucket",
-            donate_argnums=1, compiler_options=COMPILER_OPTIONS,
+        self.mailbox = Mailbox.of(kernels, mesh, config.vocab_size)
+        self._forward, self._decode_steps, self._logprobs, self._sample = steps.programs(
+            sharded_forward(config, mesh, kernels), mesh, kernels, max_sampled_rows,
+            min(max_logprobs, config.vocab_size), processed_logprobs, self.mailbox,
         )  # fmt: skip
-        self._decode_steps = jax.jit(
-            functools.partial(steps.decode_steps, forward, **sampling_args),
-            static_argnames=("bucket", "mode"), donate_argnums=1,
-            out_shardings=(self._host, self._replicated, None), compiler_options=COMPILER_OPTIONS,
-        )  # fmt: skip
-        self._logprobs = jax.jit(functools.partial(
-            steps.logprob_step, num_rows=max_sampled_rows,
-            num_top=min(max_logprobs, config.vocab_size), processed=processed_logprobs,
-        ), out_shardings=self._replicated)  # fmt: skip
-        self._sample = jax.jit(
-            functools.partial(steps.sample_step, **sampling_args),
-            static_argnames="mode",
-            out_shardings=(self._replicated, self._host),
-        )
         # NOTE: what the first step reads as "the previous step's tokens" (it reads none).
         self._no_tokens = jax.device_put(np.zeros(max_sampled_rows, np.int32), self._replicated)
         self._previous: tuple[StepPlan, jax.Array] | None = None
@@ -134,7 +118,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self._cache_shapes = kv_cache_shapes(config, num_blocks, block_size, mesh)
         self._forward_executables: dict[Bucket, jax.stages.Compiled] = {}
-        self._multi_step_executables: dict[tuple[Bucket, str], jax.stages.Compiled] = {}
+        # by (bucket, sampler mode, whether each step's masks come from the mailbox)
+        self._multi_step_executables: dict[tuple[Bucket, str, bool], jax.stages.Compiled] = {}
         self._logprob_executables: dict[int, jax.stages.Compiled] = {}  # by sampled rows
         self._sample_executables: dict[tuple[int, str], jax.stages.Compiled] = {}  # and mode
         # NOTE: what the model's programs depend on besides their arguments (`depends_on`)
@@ -153,6 +138,8 @@ class ModelRunner:
         self._fixed.reset()
         self.kv_cache = None  # NOTE: freed before its successor is allocated
         self.processors.reset()
+        if self.mailbox is not None:
+            self.mailbox.reset()
         self.kv_cache = self._allocate_kv_cache() if awake else None
 
     def update_params(self, params: Params, donate: bool = False) -> None:
@@ -178,7 +165,8 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         tables = self._forward_executables, self._sample_executables, self._logprob_executables
-        return sum(map(len, (*tables, self._multi_step_executables, self._fixed.executables)))
+        tables += self._multi_step_executables, self._fixed.executables
+        return sum(map(len, tables))
 
     def compile(
         self,
@@ -186,14 +174,17 @@ class ModelRunner:
         use_tqdm: bool = True,
         sampler_modes: Iterable[str] = SAMPLER_MODES,
         logprobs: bool = True,
+        mailbox: bool = False,
     ) -> None:
         """Compiles (or loads from the persistent cache) the executables of these buckets: the
         model's, the sampler's in each of `sampler_modes` and (with `logprobs`) the logprobs',
-        or for a bucket of several decode steps, one of model and sampler per sampler mode;
+        or for a bucket of several decode steps, one of model and sampler per sampler mode
+        (with `mailbox`, only their variants that take each step's masks from the mailbox);
         `COMPILE_THREADS` at a time."""
         buckets, sampler_modes = list(buckets), tuple(sampler_modes)
-        single = [bucket for bucket in buckets if bucket.num_steps == 1]
-        rows = sorted({bucket.num_sampled for bucket in single})
+        single = [bucket for bucket in buckets if bucket.num_steps == 1 and not mailbox]
+        multi = [bucket for bucket in buckets if bucket.num_steps > 1]
+        rows, logprobs = sorted({bucket.num_sampled for bucket in single}), logprobs and not mailbox
         shape = functools.partial(jax.ShapeDtypeStruct, sharding=self._replicated)
 
         def packed(arrays: Iterable[np.ndarray]) -> jax.ShapeDtypeStruct:  # as `pack` packs them
@@ -211,12 +202,13 @@ class ModelRunner:
             ), options(bucket.num_tokens))
             for bucket in single
         ] + [
-            (self._multi_step_executables, (bucket, mode), functools.partial(
+            (self._multi_step_executables, (bucket, mode, mailbox), functools.partial(
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
                 packed(bucket.padding()[1]), shape((bucket.num_sampled, self.processors.mask_words),
-                jnp.int32), no_tokens, bucket=bucket, mode=mode,
+                jnp.int32), no_tokens, self.mailbox.shapes(bucket.num_sampled) if mailbox else None,
+                bucket=bucket, mode=mode,
             ), options(bucket.num_tokens, loop=True))
-            for bucket in buckets if bucket.num_steps > 1 for mode in sampler_modes
+            for bucket in multi for mode in sampler_modes
         ] + [
             (self._logprob_executables, n, functools.partial(
                 self._logprobs.lower, logits[n],
@@ -267,14 +259,14 @@ class ModelRunner:
         self.ladder = tuple(buckets)
         self.compile(self.ladder, sampler_modes=STARTUP_SAMPLER_MODES, logprobs=False)
 
-    def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool) -> None:
+    def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool, mailbox: bool) -> None:
         """Compiles what a step of `bucket` lacks; for the whole ladder if `bucket` is in it."""
         buckets = self.ladder if bucket in self.ladder else (bucket,)
         if buckets is self.ladder:
             logger.info("compiling sampler %s, logprobs %s, for the ladder", mode, logprobs)
         elif self.ladder:
             logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
-        self.compile(buckets, use_tqdm=False, sampler_modes=[mode], logprobs=logprobs)
+        self.compile(buckets, False, sampler_modes=[mode], logprobs=logprobs, mailbox=mailbox)
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
@@ -288,27 +280,34 @@ class ModelRunner:
             host = (pack(padding_step(bucket)), pack(SamplingInputs.padding(bucket.num_sampled)))
             forwards[bucket.num_sampled] = self._run_forward(bucket, host, self._no_tokens)
         results = [self._run_sampler(n, mode, *forwards[n]) for n, mode in self._sample_executables]
-        for bucket, mode in self._multi_step_executables:
-            step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens)
+        for bucket, mode, mailbox in self._multi_step_executables:
+            if mailbox:  # NOTE: compiled at first use; its first run waits for the host
+                continue
+            step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens, None)
             results.append(self._run_steps(bucket, mode, *step)[0])
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
-    def execute(self, plan: StepPlan, masks: Callable | None = None) -> StepResult:
+    def execute(
+        self, plan: StepPlan, masks: Callable | None = None, stepwise: Any = None
+    ) -> StepResult:
         """Dispatches one step; returns its sampled tokens (and logprobs, if the plan asks)
         without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
         rows' token bitmask: for one step, called with the future of `_run_forward`'s result
         while it is dispatched (the host's work in it overlaps the dispatch and the device's);
-        for several, with None before the plan is dispatched (the first step's, for all)."""
+        for several, with None before the plan is dispatched: the first step's, for all, or
+        with `stepwise` and a mailbox its own, the later steps' from `stepwise` (`handoff`)."""
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
-        if not self._has_executables(bucket, mode, plan.logprobs):
-            self._compile_for(bucket, mode, plan.logprobs)
+        stepwise = stepwise if self.mailbox is not None else None
+        if not self._has_executables(bucket, mode, plan.logprobs, stepwise is not None):
+            self._compile_for(bucket, mode, plan.logprobs, stepwise is not None)
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
         arrays = (*plan.inputs, previous_rows(plan, previous_plan))
-        logprobs = None
+        logprobs = kept = None
         if bucket.num_steps > 1:
             arrays, bitmask = (*arrays, plan.step_slots), masks and masks(None)
-            tokens, last = self._run_steps(bucket, mode, arrays, sampling, bitmask, previous_tokens)
+            step = (bucket, mode, arrays, sampling, bitmask, previous_tokens, stepwise)
+            tokens, last, kept = self._run_steps(*step)
         else:
             host = (pack(arrays), pack(sampling))
             logits, settings, bitmask = self._dispatch_forward(bucket, host, previous_tokens, masks)
@@ -327,11 +326,11 @@ class ModelRunner:
                 logits = processed if self._processed_logprobs else logits
                 logprobs = self._logprob_executables[bucket.num_sampled](logits, last, packed)
         self._previous = (plan, last)
-        return StepResult(tokens, logprobs)
+        return StepResult(tokens, logprobs, kept)
 
-    def _has_executables(self, bucket: Bucket, mode: str, logprobs: bool) -> bool:
+    def _has_executables(self, bucket: Bucket, mode: str, logprobs: bool, mailbox: bool) -> bool:
         if bucket.num_steps > 1:
-            return (bucket, mode) in self._multi_step_executables
+            return (bucket, mode, mailbox) in self._multi_step_executables
         return (
             bucket in self._forward_executables
             and (bucket.num_sampled, mode) in self._sample_executables
@@ -346,15 +345,19 @@ class ModelRunner:
         sampling: SamplingInputs,
         bitmask: np.ndarray | None,
         previous_tokens: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Dispatches a plan of several decode steps under `bitmask` (None: every token allowed);
-        keeps its updated cache; returns every step's tokens (in host memory) and the last's."""
-        bitmask = self.processors.bitmask(bucket.num_sampled, bitmask)
+        stepwise: Any,
+    ) -> tuple[jax.Array, jax.Array, concurrent.futures.Future | None]:
+        """Dispatches a plan of several decode steps under `bitmask` (None: all allowed; with
+        `stepwise`, the first step's: `Mailbox`); keeps its cache; returns every step's tokens
+        (in host memory), the last's, and with `stepwise` the future of the kept ones."""
+        mailbox = stepwise and self.mailbox.open(bitmask, bucket.num_steps, stepwise)
+        bitmask = self.processors.bitmask(bucket.num_sampled, None if mailbox else bitmask)
         packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)), bitmask)
-        tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode](
-            self.params, self.kv_cache, *packed, previous_tokens
+        tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode, bool(mailbox)](
+            self.params, self.kv_cache, *packed, previous_tokens, mailbox
         )
-        return tokens, last
+        kept = None if mailbox is None else self.mailbox.follow(mailbox)
+        return tokens, last, kept
 
     def _dispatch_forward(
         self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens, masks

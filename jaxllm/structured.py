@@ -9,10 +9,12 @@ advances the grammars past the previous step's tokens and fills the rows' masks 
 (`Grammars.bitmask`), which the sampler applies (`model.logits_processors.apply_bitmask`). The
 scheduler stops a sequence when its grammar admits nothing more.
 
-Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too, while
-they speculate (`SequenceGrammar.speculates`): a row samples every token under its first mask
-or, in its other mode, without a mask, and the host keeps the longest prefix that one-step plans
-would sample (`accept_tokens`); the scheduler rolls the row back to its end. Where the mask
+Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too. With a
+mailbox (`jaxllm.handoff`: one NVIDIA GPU) each step samples under its own mask, filled from the
+tokens before it while the plan runs (`StepwiseMasks`). Elsewhere the rows speculate
+(`SequenceGrammar.speculates`): a row samples every token under its first mask or, in its other
+mode, without a mask, and the host keeps the longest prefix that one-step plans would sample
+(`accept_tokens`); the scheduler rolls the row back to its end. Where the mask
 commutes with the draw (`mask_commutes`), a token drawn under the first mask is such a token
 when its own mask allows it and allows nothing the first did not (the best token of the first
 mask is the best of any part of it that holds it); one drawn without a mask, when its own mask
@@ -199,6 +201,32 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
     return kept
 
 
+class StepwiseMasks:
+    """The masks of a plan of several decode steps whose every step samples under its own
+    (`jaxllm.handoff`): every token a live row samples is kept (`after` counts them in `kept`)."""
+
+    def __init__(self, plan, vocab_size: int) -> None:
+        self._plan, self._live = plan, None
+        self.kept: dict[int, int] = {}
+        self._mask = np.empty((plan.bucket.num_sampled, -(-vocab_size // 32)), np.int32)
+
+    def after(self, step: int, tokens: np.ndarray) -> np.ndarray:
+        """Advances the live rows' grammars past `tokens` [S], step `step`'s, and returns the
+        next step's masks (every bit set in other rows, whose tokens are dropped)."""
+        if self._live is None:  # the rows as the first step's masks found them
+            self._live = grammar_rows(self._plan)
+            self.kept = dict.fromkeys((row for row, _ in self._live), 0)
+        counts = self._plan.num_new_tokens
+        live = [(row, grammar) for row, grammar in self._live if step < counts[row]]
+        _consume([(grammar, int(tokens[row])) for row, grammar in live])
+        for row, _ in live:
+            self.kept[row] += 1
+        self._live = [(row, g) for row, g in live if step + 1 < counts[row] and not g.is_terminated]
+        self._mask[:] = -1
+        _fill(self._live, self._mask)
+        return self._mask
+
+
 def ahead_holds(ahead, plan, accepted: dict[int, int]) -> bool:
     """Whether `ahead`, a `StepPlan` made while `plan` ran (`Scheduler.plan_ahead`), stands
     now that `accept_tokens` checked `plan`'s tokens: every constrained row of `plan` kept them
@@ -274,9 +302,7 @@ class Grammars:
         self._llguidance: LLGuidance | None = None
         self._xgrammar: XGrammar | bool | None = None  # False: not installed
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-grammar")
-        self._compiled: OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = (
-            OrderedDict()
-        )
+        self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         # Each compiled grammar's next family: its sequences spread over all of them.
         self._families: dict[concurrent.futures.Future, itertools.cycle] = {}
         self.speculation = Speculation()

@@ -19,6 +19,7 @@ NVIDIA = {
     "cublas_from_rows": CUBLAS_FROM_ROWS,
     "decode_rows": GPU_DECODE_ROWS,
     "fixed_inputs": True,
+    "mailbox": "device",
 }
 ON_CPU = {"interpret": True, "fused_argmax": False}  # what a CPU's kernels carry
 

@@ -54,6 +54,9 @@ class Kernels:
         fixed_inputs: a one-step plan's forward pass and sampler read their inputs from buffers
             that keep their device addresses (`steps.FixedInputs`), so XLA launches their CUDA
             graphs without updating them.
+        mailbox: constrained rows' plans of several decode steps take each step's token mask
+            from the host while they run (`jaxllm.handoff`, one device): "device" (NVIDIA
+            GPUs) or "host" (callbacks: a CPU, in tests); None: the rows speculate.
     """
 
     prefill: str = "reference"
@@ -63,6 +66,7 @@ class Kernels:
     fused_argmax: bool = True
     decode_rows: int = 1
     fixed_inputs: bool = False
+    mailbox: str | None = None
 
     def __post_init__(self) -> None:
         for kind, names in (("prefill", PREFILL_KERNELS), ("decode", DECODE_KERNELS)):

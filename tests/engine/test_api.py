@@ -459,7 +459,9 @@ def test_other_sampler_variants_and_logprobs_compile_for_the_whole_ladder_on_fir
     compiled = llm.num_compilations_since_startup
     assert {n for n, mode in runner._sample_executables if mode == "top-k"} == rows
     assert set(runner._logprob_executables) == rows
-    assert {bucket for bucket, mode in runner._multi_step_executables if mode == "top-k"} == several
+    assert {
+        bucket for bucket, mode, _ in runner._multi_step_executables if mode == "top-k"
+    } == several
     # several steps a plan, and more rows: compiled already
     second = llm.generate(prompts, top_k, use_tqdm=False)
     assert llm.num_compilations_since_startup == compiled

@@ -1,0 +1,307 @@
+"""Constrained rows in decode plans of several steps, every step under its own token mask: the
+program hands each step's tokens to the host and waits, on the device, for the mask the host
+fills from them while the next step's forward pass runs (NVIDIA GPUs, one device).
+
+Two device buffers make the mailbox of a plan's rows, at addresses fixed once allocated: the
+outbox, where a Pallas kernel (`publish`) stores each sampled token as one int32 word with its
+step's tag, and the masks with their flag, where another (`wait_for_mask`) spins until the flag
+holds its step's tag before it copies the masks out for the sampler. On the host a thread of
+`Mailbox` polls the outbox through the CUDA driver on a stream of its own, advances the rows'
+grammars (`structured.StepwiseMasks`), then writes the next step's masks and, after them, the
+flag: XLA's stream never waits for the host, and the device only where the host is late.
+A wait that spins `SPIN_LIMIT` polls gives up (its step samples unmasked): a host that died
+cannot hang the device. Tags name a plan and its step, so no step reads another's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# A published token's word: its step's tag << TOKEN_BITS | the token (vocabularies < 2 ** 18).
+TOKEN_BITS = 18
+# Tags: a plan's base (PLAN_TAGS of them, in turn), plus 1 + its step (< STEP_TAGS steps).
+PLAN_TAGS, STEP_TAGS = 128, 64
+# The flag: the tag repeated, so that a wait sees it whole (all words equal).
+FLAG_WORDS = 8
+# NOTE: a poll is one load from the L2 cache, ~1 us: a wait gives up after seconds.
+SPIN_LIMIT = 1 << 22
+# The longest the host waits for a step's tokens (the device failed), in seconds.
+HOST_TIMEOUT = 60.0
+
+
+def _publish_kernel(tokens_ref, tag_ref, outbox_ref, out_ref):
+    tokens = tokens_ref[...]
+    # NOTE: an input written in place: the host reads the outbox while the program runs
+    outbox_ref[...] = jnp.max(tag_ref[...]) * (1 << TOKEN_BITS) + tokens
+    out_ref[...] = tokens
+
+
+def publish(tokens: jax.Array, tag: jax.Array, outbox: jax.Array) -> jax.Array:
+    """Stores `tokens` [S] with `tag` in `outbox` [P >= S, a power of two]; returns them (a
+    later step that reads these runs after the store)."""
+    padded = jnp.pad(tokens, (0, outbox.shape[0] - tokens.shape[0]))
+    out = pl.pallas_call(
+        _publish_kernel,
+        out_shape=jax.ShapeDtypeStruct(outbox.shape, jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=1),
+    )(padded, tag, outbox)
+    return out[: tokens.shape[0]]
+
+
+def _wait_kernel(tag_ref, after_ref, flag_ref, masks_ref, out_ref, *, block: int, size: int):
+    del after_ref  # orders the wait after the step's forward pass
+    want = jnp.max(tag_ref[...])
+
+    def waiting(state):
+        ready, polls = state
+        return (ready == 0) & (polls < SPIN_LIMIT)
+
+    def poll(state):
+        flag = plgpu.load(flag_ref.at[pl.ds(0, FLAG_WORDS)], volatile=True)
+        return jnp.min((flag == want).astype(jnp.int32)), state[1] + 1
+
+    ready, _ = lax.while_loop(waiting, poll, (jnp.int32(0), jnp.int32(0)))
+    start = pl.program_id(0) * block
+    inside = start + jnp.arange(block) < size
+    words = plgpu.load(masks_ref.at[pl.ds(start, block)], mask=inside, other=0, volatile=True)
+    plgpu.store(out_ref.at[pl.ds(start, block)], jnp.where(ready == 1, words, -1), mask=inside)
+
+
+def wait_for_mask(tag: jax.Array, after: jax.Array, flag: jax.Array, masks: jax.Array):
+    """The [S, W] masks the host wrote into `masks` (flat) once `flag` holds `tag`, waited for
+    on the device after `after` is computed; all bits set if the wait gave up."""
+    size = masks.shape[0]
+    block = min(1024, 1 << (size.bit_length() - 1))
+    kernel = functools.partial(_wait_kernel, block=block, size=size)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((size,), jnp.int32),
+        grid=(pl.cdiv(size, block),),
+        compiler_params=plgpu.CompilerParams(num_warps=4),
+    )(tag, after, flag, masks)
+
+
+class Driver:
+    """The CUDA driver calls of the host's side (ctypes), on a non-blocking stream of its own in
+    JAX's context (the device's primary one)."""
+
+    def __init__(self) -> None:
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self._check(self._lib.cuInit(0))
+        device = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), 0))
+        self._context = ctypes.c_void_p()
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), device))
+        self.use()
+        self._stream = ctypes.c_void_p()
+        self._check(self._lib.cuStreamCreate(ctypes.byref(self._stream), 1))  # non-blocking
+
+    def use(self) -> None:
+        """Makes the context current on the calling thread."""
+        self._check(self._lib.cuCtxSetCurrent(self._context))
+
+    def write(self, address: int, host: np.ndarray) -> None:
+        """Copies `host` (contiguous) to device memory at `address`, and waits."""
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(
+            ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data),
+            ctypes.c_size_t(host.nbytes), self._stream,
+        ))  # fmt: skip
+        self._check(self._lib.cuStreamSynchronize(self._stream))
+
+    def read(self, host: np.ndarray, address: int) -> None:
+        """Copies device memory at `address` into `host` (contiguous), and waits."""
+        self._check(self._lib.cuMemcpyDtoHAsync_v2(
+            ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(address),
+            ctypes.c_size_t(host.nbytes), self._stream,
+        ))  # fmt: skip
+        self._check(self._lib.cuStreamSynchronize(self._stream))
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"the CUDA driver returned error {status}")
+
+
+class Mailbox:
+    """A runner's mailboxes, one per plan row count, and the handoff of its plans' steps.
+
+    `open` writes a plan's first step's masks and gives the program's mailbox arguments;
+    `follow`, once the program is dispatched, answers its later steps; the program calls
+    `publish` and `wait` (traced). `DeviceMailbox` hands the tokens over through device memory
+    (NVIDIA GPUs), `HostMailbox` through host callbacks (a CPU: the same steps, in tests).
+
+    Args:
+        sharding: the programs' (one device).
+        mask_words: a token mask's words per row.
+    """
+
+    def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
+        self._sharding, self._words = sharding, mask_words
+        self._boxes: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        self._plans = self._generation = 0
+        self._opened: dict[int, tuple] = {}  # by base tag: steps, stepwise, future of its kept
+
+    @staticmethod
+    def of(kernels, mesh: jax.sharding.Mesh, vocab_size: int) -> Mailbox | None:
+        """A runner's mailbox of the kind `kernels.mailbox` names, where it runs on one device;
+        else None."""
+        if kernels.mailbox is None or mesh.size > 1 or jax.process_count() > 1:
+            return None
+        kind = {"device": DeviceMailbox, "host": HostMailbox}[kernels.mailbox]
+        return kind(
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), -(-vocab_size // 32)
+        )
+
+    def shapes(self, num_rows: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shapes of `open`'s result for plans of `num_rows` sampled rows."""
+        arrays = (np.zeros(FLAG_WORDS), *self.boxes(num_rows))
+        shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self._sharding)
+        return tuple(shape(array.shape) for array in arrays)
+
+    def boxes(self, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The flag [FLAG_WORDS], masks [num_rows * words] and outbox [a power of two >=
+        num_rows] of plans of `num_rows` sampled rows (allocated on first use)."""
+        if num_rows not in self._boxes:
+            sizes = (FLAG_WORDS, num_rows * self._words, 1 << (num_rows - 1).bit_length())
+            self._boxes[num_rows] = tuple(
+                jax.device_put(np.zeros(size, np.int32), self._sharding) for size in sizes
+            )
+        return self._boxes[num_rows]
+
+    def open(self, first_mask: np.ndarray, num_steps: int, stepwise) -> tuple:
+        """Writes the first step's masks [S, words] of a plan of `num_steps` (under its tag),
+        whose later steps' `stepwise.after(step, tokens)` (`structured.StepwiseMasks`) gives
+        from the step before's tokens; returns the program's mailbox arguments: the plan's base
+        tag, the flag, masks and outbox."""
+        base = (self._plans % PLAN_TAGS) * STEP_TAGS
+        self._plans += 1
+        boxes = self.boxes(first_mask.shape[0])
+        self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
+        self._opened[base] = (num_steps, stepwise, concurrent.futures.Future())
+        return np.full(FLAG_WORDS, base, np.int32), *boxes
+
+    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
+        """Answers the later steps of the plan just dispatched with `mailbox`; returns the
+        future of its `stepwise.kept`, every step's tokens consumed."""
+        return self._opened[int(mailbox[0][0])][2]
+
+    def reset(self) -> None:
+        """Ends the answering of the plans in flight (a failed step)."""
+        self._generation += 1
+
+    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
+        raise NotImplementedError
+
+
+class DeviceMailbox(Mailbox):
+    """The tokens and masks through device memory: Pallas kernels on the device, the CUDA
+    driver's copies on a stream of the host's own, answered by a thread."""
+
+    publish = staticmethod(publish)
+    wait = staticmethod(wait_for_mask)
+
+    def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
+        super().__init__(sharding, mask_words)
+        self._driver = Driver()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-mailbox")
+
+    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
+        tag, flag, masks, outbox = mailbox
+        num_steps, stepwise, _ = self._opened.pop(int(tag[0]))
+        num_rows = masks.shape[0] // self._words
+        job = (flag, masks, outbox, num_rows, int(tag[0]), num_steps, stepwise, self._generation)
+        return self._thread.submit(self._run, *job)
+
+    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
+        self._driver.use()
+        self._answer(*boxes[:2], mask, base + 1)
+
+    def _answer(self, flag: jax.Array, masks: jax.Array, mask: np.ndarray, tag: int) -> None:
+        """The masks first, then the flag that lets the device read them."""
+        self._driver.write(masks.unsafe_buffer_pointer(), mask)
+        self._driver.write(flag.unsafe_buffer_pointer(), np.full(FLAG_WORDS, tag, np.int32))
+
+    def _run(self, flag, masks, outbox, num_rows, base, num_steps, stepwise, generation):
+        """Each step's tokens to `stepwise`, its masks back, until the plan's last step."""
+        self._driver.use()
+        words = np.zeros(outbox.shape[0], np.int32)
+        step = 0
+        try:
+            for step in range(num_steps):
+                tokens = self._tokens(outbox, words, num_rows, base + 1 + step, generation)
+                mask = stepwise.after(step, tokens)
+                if step + 1 < num_steps:
+                    self._answer(flag, masks, mask, base + 2 + step)
+        except BaseException:
+            # NOTE: every later step let through (it samples unmasked), so the program ends
+            for later in range(step + 1, num_steps):
+                every = np.full(num_rows * self._words, -1, np.int32)
+                self._answer(flag, masks, every, base + 1 + later)
+            raise
+        return stepwise.kept
+
+    def _tokens(self, outbox, words, num_rows: int, tag: int, generation: int) -> np.ndarray:
+        """The tokens a step published with `tag`, polled for."""
+        deadline = time.perf_counter() + HOST_TIMEOUT
+        address = outbox.unsafe_buffer_pointer()
+        while True:
+            self._driver.read(words, address)
+            if (words[:num_rows] >> TOKEN_BITS == tag).all():
+                return words[:num_rows] & ((1 << TOKEN_BITS) - 1)
+            if generation != self._generation:
+                raise RuntimeError("the engine was reset")
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no tokens of step tag {tag} in {HOST_TIMEOUT} s")
+
+
+class HostMailbox(Mailbox):
+    """The tokens and masks through host callbacks (`io_callback`): each step's tokens go to
+    `stepwise` as the program publishes them, and the next step's masks come back from there.
+    The program's boxes go unused."""
+
+    def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
+        super().__init__(sharding, mask_words)
+        self._masks: dict[int, np.ndarray] = {}  # by step tag: masks not yet read
+
+    def publish(self, tokens: jax.Array, tag: jax.Array, outbox: jax.Array) -> jax.Array:
+        result = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
+        return io_callback(self._published, result, tokens, tag[0])
+
+    def wait(self, tag: jax.Array, after: jax.Array, flag: jax.Array, masks: jax.Array):
+        result = jax.ShapeDtypeStruct(masks.shape, jnp.int32)
+        return io_callback(self._mask, result, tag[0], after[0, 0])
+
+    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
+        return self._opened.pop(int(mailbox[0][0]))[2]
+
+    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
+        self._masks[base + 1] = mask
+
+    def _mask(self, tag, after) -> np.ndarray:
+        del after  # orders the call after the step's forward pass
+        return self._masks.pop(int(tag))
+
+    def _published(self, tokens: np.ndarray, tag) -> np.ndarray:
+        base = (int(tag) - 1) // STEP_TAGS * STEP_TAGS
+        step, (num_steps, stepwise, kept) = int(tag) - 1 - base, self._opened[base]
+        try:
+            mask = stepwise.after(step, np.asarray(tokens))
+        except BaseException as error:
+            kept.set_exception(error)
+            raise
+        if step + 1 < num_steps:
+            self._masks[int(tag) + 1] = mask.reshape(-1).copy()
+        else:
+            kept.set_result(stepwise.kept)
+        return np.asarray(tokens)

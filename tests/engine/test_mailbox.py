@@ -1,0 +1,68 @@
+"""Constrained rows in plans of several decode steps, every step under its own mask from the host
+while the plan runs (`jaxllm.handoff`): the same tokens as one step a plan. Through device
+memory on an NVIDIA GPU; through host callbacks, the same steps, on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+from support.engine import assert_idle, gpu_kernel_settings
+
+from jaxllm import SamplingParams, StructuredOutputsParams
+
+PROMPTS = ["Answer:", "Q", "Go on", "x"]
+CONSTRAINTS = [
+    StructuredOutputsParams(
+        json={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        disable_any_whitespace=True,
+    ),
+    StructuredOutputsParams(regex="[a-z ]{0,40}x"),
+    StructuredOutputsParams(choice=["ab c", "d"]),
+    StructuredOutputsParams(regex="a[a-z]{0,40}"),
+]
+
+
+@pytest.fixture(scope="module", params=["host", pytest.param("device", marks=pytest.mark.gpu)])
+def llms(request, text_model):
+    """`text_llm`'s model at one step a plan, and at 4 with the mailbox of the param's kind."""
+    from jaxllm import LLM
+
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    settings |= dict(kvcache_block_size=16, compile_at_startup=False)
+    with gpu_kernel_settings(mailbox=request.param):
+        return tuple(LLM(text_model, num_scheduler_steps=k, **settings) for k in (1, 4))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=["json", "regex", "choice", "widening"])
+def test_plans_of_several_steps_sample_what_one_step_plans_do(llms, constraint, temperature):
+    one_step, several = llms
+    assert several.engine.runner.mailbox is not None
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=60, seed=seed, structured_outputs=constraint
+        )
+        for seed in range(len(PROMPTS))
+    ]
+    decode = several.engine.stats.decode
+    passes, plans = decode.forward_passes, decode.steps
+    expected = one_step.generate(PROMPTS, params, use_tqdm=False)
+    outputs = several.generate(PROMPTS, params, use_tqdm=False)
+    for alone, output in zip(expected, outputs, strict=True):
+        assert output.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert output.outputs[0].finish_reason == alone.outputs[0].finish_reason
+    # plans of several steps ran, nothing speculated
+    assert decode.forward_passes - passes > decode.steps - plans
+    assert several.engine.grammars.speculation.tokens == 0
+    assert_idle(several)
+
+
+def test_a_free_request_beside_constrained_ones_samples_as_alone(llms):
+    _, several = llms
+    free = SamplingParams(temperature=1.0, max_tokens=40, seed=7)
+    constrained = SamplingParams(
+        temperature=1.0, max_tokens=40, seed=1, structured_outputs=CONSTRAINTS[1]
+    )
+    alone = several.generate(["Go on"], free, use_tqdm=False)[0]
+    both = several.generate(["Go on", "Q"], [free, constrained], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(several)
