@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.detokenizer import StopStrings
+from jaxllm.handoff import StepwiseMasks
 from jaxllm.outputs import EngineStats, RequestMetrics, RequestOutput
 from jaxllm.request import Request, TokenTexts, completion_params
 from jaxllm.runner import ModelRunner
@@ -22,7 +23,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, StepwiseMasks, accept_tokens, ahead_holds, grammar_rows
+from jaxllm.structured import Grammars, accept_tokens, ahead_holds, grammar_rows
 from jaxllm.weights import deleted_leaf
 
 
@@ -68,6 +69,8 @@ class Engine:
         self._next_plan: StepPlan | None = None
         eos = scheduler.config.eos_token_ids
         self.grammars = Grammars(tokenizer, runner.config.vocab_size, eos)
+        # constrained rows speculate in plans of several steps, but where a mailbox hands them
+        self._speculates = runner.mailbox is None
 
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
@@ -260,8 +263,8 @@ class Engine:
         on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
         step's tokens are applied first; after a speculative plan (`StepPlan.speculative`),
         checked first (`_plan_past_speculation`). A plan with grammars gets its masks from
-        `_masks`. A step that raises (a device error, an interrupt it did not hold back) resets
-        the engine first (`reset`).
+        `_masks` (of several steps with a mailbox, from `StepwiseMasks`). A step that raises
+        (a device error, an interrupt it did not hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -269,7 +272,7 @@ class Engine:
         try:
             plan, self._next_plan = self._next_plan, None
             checked = None  # the step before, checked, to apply once this one is dispatched
-            speculated = self._in_flight is not None and self._speculative(self._in_flight[0])
+            speculated = self._speculates and self._in_flight and self._in_flight[0].speculative
             if plan is None and speculated:
                 plan, checked = self._plan_past_speculation(seconds, outputs)
             elif self.scheduler.needs_host_tokens or speculated:
@@ -277,13 +280,14 @@ class Engine:
             if plan is None:
                 plan = self.scheduler.schedule()
             dispatch_start, waited = time.perf_counter(), seconds["wait"]
-            result = None
+            result = masks = stepwise = None
             if plan is not None:
-                masks = stepwise = None
                 if self.scheduler.num_constrained and any(grammar_rows(plan)):
                     masks = functools.partial(self._masks, plan, seconds, outputs)
-                    if plan.speculative and not self._speculative(plan):
+                    if plan.speculative and not self._speculates:
                         stepwise = StepwiseMasks(plan, self.grammars.vocab_size)
+                        if self.runner.mailbox.overlaps:  # the first step's too, once applied
+                            masks = None
                 result = self.runner.execute(plan, masks, stepwise)
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
@@ -291,6 +295,8 @@ class Engine:
             if checked is not None:
                 outputs += self._apply(checked)
             outputs += self._apply_in_flight(seconds)
+            if stepwise is not None:
+                stepwise.ready.set()
         except BaseException as error:
             try:
                 self.reset()
@@ -329,11 +335,6 @@ class Engine:
             scheduler.unplan(ahead)
         outputs += self._apply(checked)
         return None, None
-
-    def _speculative(self, plan: StepPlan) -> bool:
-        """Whether `plan`'s constrained rows speculate: several steps under their first step's
-        mask, where no mailbox gives each step its own (`runner.mailbox`)."""
-        return plan.speculative and self.runner.mailbox is None
 
     def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
         """Applies the step in flight, if any, adding its wait to `seconds`."""

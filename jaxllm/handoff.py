@@ -7,7 +7,7 @@ outbox, where a Pallas kernel (`publish`) stores each sampled token as one int32
 step's tag, and the masks with their flag, where another (`wait_for_mask`) spins until the flag
 holds its step's tag before it copies the masks out for the sampler. On the host a thread of
 `Mailbox` polls the outbox through the CUDA driver on a stream of its own, advances the rows'
-grammars (`structured.StepwiseMasks`), then writes the next step's masks and, after them, the
+grammars (`StepwiseMasks`), then writes the next step's masks and, after them, the
 flag: XLA's stream never waits for the host, and the device only where the host is late.
 A wait that spins `SPIN_LIMIT` polls gives up (its step samples unmasked): a host that died
 cannot hang the device. Tags name a plan and its step, so no step reads another's.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import threading
 import time
 
 import jax
@@ -27,6 +28,8 @@ from jax import lax
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxllm.structured import consume_tokens, fill_masks, grammar_rows
 
 # A published token's word: its step's tag << TOKEN_BITS | the token (vocabularies < 2 ** 18).
 TOKEN_BITS = 18
@@ -92,6 +95,51 @@ def wait_for_mask(tag: jax.Array, after: jax.Array, flag: jax.Array, masks: jax.
     )(tag, after, flag, masks)
 
 
+class StepwiseMasks:
+    """The masks of a plan of several decode steps whose every step samples under its own
+    (`jaxllm.handoff`): every token a live row samples is kept (`after` counts them in `kept`).
+    The first step's come from `Grammars.bitmask`, or from `first` once `ready` is set (the
+    plan before applied), on the mailbox's thread."""
+
+    def __init__(self, plan, vocab_size: int) -> None:
+        self._plan, self._live = plan, None
+        self.kept: dict[int, int] = {}
+        self.num_rows = plan.bucket.num_sampled
+        self._mask = np.empty((self.num_rows, -(-vocab_size // 32)), np.int32)
+        self.ready = threading.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._live is not None
+
+    def first(self) -> np.ndarray:
+        """The first step's masks, as `Grammars.bitmask` fills them."""
+        self._start()
+        return self._filled()
+
+    def after(self, step: int, tokens: np.ndarray) -> np.ndarray:
+        """Advances the live rows' grammars past `tokens` [S], step `step`'s, and returns the
+        next step's masks (every bit set in other rows, whose tokens are dropped)."""
+        if self._live is None:  # the rows as `Grammars.bitmask` found them
+            self._start()
+        counts = self._plan.num_new_tokens
+        live = [(row, grammar) for row, grammar in self._live if step < counts[row]]
+        consume_tokens([(grammar, int(tokens[row])) for row, grammar in live])
+        for row, _ in live:
+            self.kept[row] += 1
+        self._live = [(row, g) for row, g in live if step + 1 < counts[row] and not g.is_terminated]
+        return self._filled()
+
+    def _start(self) -> None:
+        self._live = grammar_rows(self._plan)
+        self.kept = dict.fromkeys((row for row, _ in self._live), 0)
+
+    def _filled(self) -> np.ndarray:
+        self._mask[:] = -1
+        fill_masks(self._live, self._mask)
+        return self._mask
+
+
 class Driver:
     """The CUDA driver calls of the host's side (ctypes), on a non-blocking stream of its own in
     JAX's context (the device's primary one)."""
@@ -146,6 +194,8 @@ class Mailbox:
         mask_words: a token mask's words per row.
     """
 
+    overlaps = False  # a plan may be dispatched before the one before is applied
+
     def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
         self._sharding, self._words = sharding, mask_words
         self._boxes: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
@@ -179,15 +229,17 @@ class Mailbox:
             )
         return self._boxes[num_rows]
 
-    def open(self, first_mask: np.ndarray, num_steps: int, stepwise) -> tuple:
+    def open(self, first_mask: np.ndarray | None, num_steps: int, stepwise) -> tuple:
         """Writes the first step's masks [S, words] of a plan of `num_steps` (under its tag),
-        whose later steps' `stepwise.after(step, tokens)` (`structured.StepwiseMasks`) gives
-        from the step before's tokens; returns the program's mailbox arguments: the plan's base
-        tag, the flag, masks and outbox."""
+        whose later steps' `stepwise.after(step, tokens)` (`StepwiseMasks`) gives
+        from the step before's tokens (None, `overlaps`: `stepwise.first()` gives the first
+        step's too, once the plan before is applied); returns the program's mailbox arguments:
+        the plan's base tag, the flag, masks and outbox."""
         base = (self._plans % PLAN_TAGS) * STEP_TAGS
         self._plans += 1
-        boxes = self.boxes(first_mask.shape[0])
-        self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
+        boxes = self.boxes(stepwise.num_rows)
+        if first_mask is not None:
+            self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
         self._opened[base] = (num_steps, stepwise, concurrent.futures.Future())
         return np.full(FLAG_WORDS, base, np.int32), *boxes
 
@@ -210,6 +262,9 @@ class DeviceMailbox(Mailbox):
 
     publish = staticmethod(publish)
     wait = staticmethod(wait_for_mask)
+    # NOTE: a plan is dispatched while the one before runs, its first masks filled by the
+    # thread once that one's tokens are applied: the device does not wait between plans
+    overlaps = True
 
     def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
         super().__init__(sharding, mask_words)
@@ -219,8 +274,7 @@ class DeviceMailbox(Mailbox):
     def follow(self, mailbox: tuple) -> concurrent.futures.Future:
         tag, flag, masks, outbox = mailbox
         num_steps, stepwise, _ = self._opened.pop(int(tag[0]))
-        num_rows = masks.shape[0] // self._words
-        job = (flag, masks, outbox, num_rows, int(tag[0]), num_steps, stepwise, self._generation)
+        job = (flag, masks, outbox, int(tag[0]), num_steps, stepwise, self._generation)
         return self._thread.submit(self._run, *job)
 
     def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
@@ -232,12 +286,18 @@ class DeviceMailbox(Mailbox):
         self._driver.write(masks.unsafe_buffer_pointer(), mask)
         self._driver.write(flag.unsafe_buffer_pointer(), np.full(FLAG_WORDS, tag, np.int32))
 
-    def _run(self, flag, masks, outbox, num_rows, base, num_steps, stepwise, generation):
-        """Each step's tokens to `stepwise`, its masks back, until the plan's last step."""
+    def _run(self, flag, masks, outbox, base, num_steps, stepwise, generation):
+        """Each step's tokens to `stepwise`, its masks back, until the plan's last step (the
+        first step's masks first, if `open` had none)."""
         self._driver.use()
-        words = np.zeros(outbox.shape[0], np.int32)
-        step = 0
+        words, num_rows = np.zeros(outbox.shape[0], np.int32), stepwise.num_rows
+        step = 0 if stepwise.started else -1
         try:
+            if step < 0:
+                while not stepwise.ready.wait(0.1):  # the plan before applied
+                    if generation != self._generation:
+                        raise RuntimeError("the engine was reset")
+                self._answer(flag, masks, stepwise.first(), base + 1)
             for step in range(num_steps):
                 tokens = self._tokens(outbox, words, num_rows, base + 1 + step, generation)
                 mask = stepwise.after(step, tokens)

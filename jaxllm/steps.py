@@ -212,7 +212,7 @@ class StepResult(NamedTuple):
         logprobs: for a plan with `plan.logprobs`, [max_sampled_rows, 2 + 2 * max_logprobs]
             (`sampler.token_logprobs`); else None.
         kept: for a plan whose steps took their masks from the mailbox, the future of the
-            tokens each constrained row keeps (`structured.StepwiseMasks.kept`); else None.
+            tokens each constrained row keeps (`handoff.StepwiseMasks.kept`); else None.
     """
 
     tokens: jax.Array

@@ -11,7 +11,7 @@ scheduler stops a sequence when its grammar admits nothing more.
 
 Decode plans of several steps (`Scheduler._multi_step_counts`) run constrained rows too. With a
 mailbox (`jaxllm.handoff`: one NVIDIA GPU) each step samples under its own mask, filled from the
-tokens before it while the plan runs (`StepwiseMasks`). Elsewhere the rows speculate
+tokens before it while the plan runs (`handoff.StepwiseMasks`). Elsewhere the rows speculate
 (`SequenceGrammar.speculates`): a row samples every token under its first mask or, in its other
 mode, without a mask, and the host keeps the longest prefix that one-step plans would sample
 (`accept_tokens`); the scheduler rolls the row back to its end. Where the mask
@@ -170,7 +170,7 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         for row, grammar in rows
         if not speculative or not grammar.unmasked or _allows(grammar.first_mask, tokens[row][0])
     ]
-    _consume([(grammar, tokens[row][0]) for row, grammar in live])
+    consume_tokens([(grammar, tokens[row][0]) for row, grammar in live])
     kept = dict.fromkeys((row for row, _ in rows), 0) | dict.fromkeys((row for row, _ in live), 1)
     if not speculative:
         for _, grammar in rows:
@@ -182,7 +182,7 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         if not live:
             break
         masks = np.empty((len(live), live[0][1].first_mask.size), np.int32)
-        _fill([(index, grammar) for index, (_, grammar) in enumerate(live)], masks)
+        fill_masks([(index, grammar) for index, (_, grammar) in enumerate(live)], masks)
         live = [
             (row, grammar)
             for mask, (row, grammar) in zip(masks, live, strict=True)
@@ -192,39 +192,13 @@ def accept_tokens(plan, tokens: list[list[int]], counts: list[int]) -> dict[int,
         ]
         if not live:
             break
-        _consume([(grammar, tokens[row][step]) for row, grammar in live])
+        consume_tokens([(grammar, tokens[row][step]) for row, grammar in live])
         for row, _ in live:
             kept[row] += 1
     for row, grammar in rows:
         grammar.settle(kept[row], counts[row])
     rows[0][1]._stats.seconds += time.perf_counter() - start
     return kept
-
-
-class StepwiseMasks:
-    """The masks of a plan of several decode steps whose every step samples under its own
-    (`jaxllm.handoff`): every token a live row samples is kept (`after` counts them in `kept`)."""
-
-    def __init__(self, plan, vocab_size: int) -> None:
-        self._plan, self._live = plan, None
-        self.kept: dict[int, int] = {}
-        self._mask = np.empty((plan.bucket.num_sampled, -(-vocab_size // 32)), np.int32)
-
-    def after(self, step: int, tokens: np.ndarray) -> np.ndarray:
-        """Advances the live rows' grammars past `tokens` [S], step `step`'s, and returns the
-        next step's masks (every bit set in other rows, whose tokens are dropped)."""
-        if self._live is None:  # the rows as the first step's masks found them
-            self._live = grammar_rows(self._plan)
-            self.kept = dict.fromkeys((row for row, _ in self._live), 0)
-        counts = self._plan.num_new_tokens
-        live = [(row, grammar) for row, grammar in self._live if step < counts[row]]
-        _consume([(grammar, int(tokens[row])) for row, grammar in live])
-        for row, _ in live:
-            self.kept[row] += 1
-        self._live = [(row, g) for row, g in live if step + 1 < counts[row] and not g.is_terminated]
-        self._mask[:] = -1
-        _fill(self._live, self._mask)
-        return self._mask
 
 
 def ahead_holds(ahead, plan, accepted: dict[int, int]) -> bool:
@@ -253,13 +227,13 @@ def _allows(mask: np.ndarray, token: int) -> bool:
     return bool((mask[token // 32] >> (token % 32)) & 1)
 
 
-def _fill(rows: list[tuple[int, SequenceGrammar]], mask: np.ndarray) -> None:
+def fill_masks(rows: list[tuple[int, SequenceGrammar]], mask: np.ndarray) -> None:
     """Fills row `row` of `mask` from each grammar's matcher, each library's rows in parallel."""
     for library, pairs in _by_library(rows).items():
         library.fill([grammar.matcher for _, grammar in pairs], [row for row, _ in pairs], mask)
 
 
-def _consume(pairs: list[tuple[SequenceGrammar, int]]) -> None:
+def consume_tokens(pairs: list[tuple[SequenceGrammar, int]]) -> None:
     """Advances each grammar's matcher past its token, each library's in parallel."""
     for library, own in _by_library([(token, grammar) for grammar, token in pairs]).items():
         library.consume([grammar.matcher for _, grammar in own], [token for token, _ in own])
@@ -390,7 +364,7 @@ class Grammars:
         free = np.ones(num_rows, bool)
         free[[row for row, _ in rows]] = False
         mask[free] = -1
-        _fill(rows, mask)
+        fill_masks(rows, mask)
         for row, grammar in rows if plan.speculative else ():
             grammar.first_mask = mask[row]
             if grammar.unmasked:  # its tokens drawn without a mask, checked against this one
