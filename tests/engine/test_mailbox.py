@@ -27,7 +27,7 @@ def llms(request, text_model):
     from jaxllm import LLM
 
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-    settings |= dict(kvcache_block_size=16, compile_at_startup=False)
+    settings |= dict(kvcache_block_size=16, num_kvcache_blocks=64, compile_at_startup=False)
     with gpu_kernel_settings(mailbox=request.param):
         return tuple(LLM(text_model, num_scheduler_steps=k, **settings) for k in (1, 4))
 
