@@ -1,6 +1,7 @@
 """Constrained rows in decode plans of several steps, every step under its own token mask: the
 program hands each step's tokens to the host and waits, on the device, for the mask the host
-fills from them while the next step's forward pass runs (NVIDIA GPUs, one device).
+fills from them while the next step's forward pass runs (one device: `DeviceMailbox` on NVIDIA
+GPUs, as below; `HostMailbox`, the same steps through host callbacks, on a CPU in tests).
 
 Two device buffers make the mailbox of a plan's rows, at addresses fixed once allocated: the
 outbox, where a Pallas kernel (`publish`) stores each sampled token as one int32 word with its
@@ -107,10 +108,6 @@ class StepwiseMasks:
         self.num_rows = plan.bucket.num_sampled
         self._mask = np.empty((self.num_rows, -(-vocab_size // 32)), np.int32)
         self.ready = threading.Event()
-
-    @property
-    def started(self) -> bool:
-        return self._live is not None
 
     def first(self) -> np.ndarray:
         """The first step's masks, as `Grammars.bitmask` fills them."""
@@ -240,7 +237,7 @@ class Mailbox:
         boxes = self.boxes(stepwise.num_rows)
         if first_mask is not None:
             self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
-        self._opened[base] = (num_steps, stepwise, concurrent.futures.Future())
+        self._opened[base] = (num_steps, stepwise, concurrent.futures.Future(), first_mask is None)
         return np.full(FLAG_WORDS, base, np.int32), *boxes
 
     def follow(self, mailbox: tuple) -> concurrent.futures.Future:
@@ -273,8 +270,8 @@ class DeviceMailbox(Mailbox):
 
     def follow(self, mailbox: tuple) -> concurrent.futures.Future:
         tag, flag, masks, outbox = mailbox
-        num_steps, stepwise, _ = self._opened.pop(int(tag[0]))
-        job = (flag, masks, outbox, int(tag[0]), num_steps, stepwise, self._generation)
+        num_steps, stepwise, _, first = self._opened.pop(int(tag[0]))
+        job = (flag, masks, outbox, int(tag[0]), num_steps, stepwise, first, self._generation)
         return self._thread.submit(self._run, *job)
 
     def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
@@ -286,14 +283,14 @@ class DeviceMailbox(Mailbox):
         self._driver.write(masks.unsafe_buffer_pointer(), mask)
         self._driver.write(flag.unsafe_buffer_pointer(), np.full(FLAG_WORDS, tag, np.int32))
 
-    def _run(self, flag, masks, outbox, base, num_steps, stepwise, generation):
-        """Each step's tokens to `stepwise`, its masks back, until the plan's last step (the
-        first step's masks first, if `open` had none)."""
+    def _run(self, flag, masks, outbox, base, num_steps, stepwise, first, generation):
+        """Each step's tokens to `stepwise`, its masks back, until the plan's last step (with
+        `first`, the first step's masks before all)."""
         self._driver.use()
         words, num_rows = np.zeros(outbox.shape[0], np.int32), stepwise.num_rows
-        step = 0 if stepwise.started else -1
+        step = -1 if first else 0
         try:
-            if step < 0:
+            if first:
                 while not stepwise.ready.wait(0.1):  # the plan before applied
                     if generation != self._generation:
                         raise RuntimeError("the engine was reset")
@@ -354,7 +351,7 @@ class HostMailbox(Mailbox):
 
     def _published(self, tokens: np.ndarray, tag) -> np.ndarray:
         base = (int(tag) - 1) // STEP_TAGS * STEP_TAGS
-        step, (num_steps, stepwise, kept) = int(tag) - 1 - base, self._opened[base]
+        step, (num_steps, stepwise, kept, _) = int(tag) - 1 - base, self._opened[base]
         try:
             mask = stepwise.after(step, np.asarray(tokens))
         except BaseException as error:

@@ -24,7 +24,6 @@ A GPU probe: it needs libcuda and the Triton backend of Pallas.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import threading
 import time
 
@@ -35,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxllm.handoff import Driver
 from jaxllm.model.attention import LOOP_COMMAND_BUFFERS
 
 WORDS = 8_192  # more than a token bitmask of 151,936 tokens (4,748 words): a power of two
@@ -42,59 +42,6 @@ HEADER = 8  # the mailbox's flag, repeated (Triton blocks are powers of two)
 SPIN_LIMIT = 1 << 22  # a wait gives up after this many polls (seconds; the host died): -1
 VOCAB = 151_936
 INTERPRET = False  # True runs the kernels in Python (a CPU check of their logic)
-
-
-class Driver:
-    """The few CUDA driver calls the host side needs, on a non-blocking stream of its own."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self._check(self.lib.cuInit(0))
-        device = ctypes.c_int()
-        self._check(self.lib.cuDeviceGet(ctypes.byref(device), 0))
-        self.context = ctypes.c_void_p()
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), device))
-        self.use()
-        self.stream = ctypes.c_void_p()
-        self._check(self.lib.cuStreamCreate(ctypes.byref(self.stream), 1))  # NON_BLOCKING
-
-    def use(self) -> None:
-        """Makes JAX's (primary) context current on the calling thread."""
-        self._check(self.lib.cuCtxSetCurrent(self.context))
-
-    def pinned(self, shape, dtype) -> np.ndarray:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        pointer = ctypes.c_void_p()
-        self._check(self.lib.cuMemAllocHost_v2(ctypes.byref(pointer), ctypes.c_size_t(nbytes)))
-        buffer = (ctypes.c_byte * nbytes).from_address(pointer.value)
-        return np.frombuffer(buffer, dtype).reshape(shape)
-
-    def write(self, device_pointer: int, host: np.ndarray) -> None:
-        self._check(
-            self.lib.cuMemcpyHtoDAsync_v2(
-                ctypes.c_uint64(device_pointer),
-                ctypes.c_void_p(host.ctypes.data),
-                ctypes.c_size_t(host.nbytes),
-                self.stream,
-            )
-        )
-        self._check(self.lib.cuStreamSynchronize(self.stream))
-
-    def read(self, host: np.ndarray, device_pointer: int) -> None:
-        self._check(
-            self.lib.cuMemcpyDtoHAsync_v2(
-                ctypes.c_void_p(host.ctypes.data),
-                ctypes.c_uint64(device_pointer),
-                ctypes.c_size_t(host.nbytes),
-                self.stream,
-            )
-        )
-        self._check(self.lib.cuStreamSynchronize(self.stream))
-
-    @staticmethod
-    def _check(status: int) -> None:
-        if status != 0:
-            raise RuntimeError(f"CUDA driver error {status}")
 
 
 def _publish_kernel(token_ref, step_ref, outbox_ref, out_ref):
@@ -194,13 +141,13 @@ def build(steps: int, repeats: int, handoff: bool, loop: bool):
 
 class Host:
     """The host's side: answers each published token with the next step's mask (the words,
-    then the flag), on a thread of its own; pinned buffers for the driver's copies."""
+    then the flag), on a thread of its own, through the engine's `handoff.Driver`."""
 
     def __init__(self, driver: Driver, mailbox_ptr: int, outbox_ptr: int) -> None:
         self.driver, self.mailbox_ptr, self.outbox_ptr = driver, mailbox_ptr, outbox_ptr
-        self.outbox = driver.pinned((HEADER,), np.int32)
-        self.words = driver.pinned((WORDS,), np.int32)
-        self.flag = driver.pinned((HEADER,), np.int32)
+        self.outbox = np.zeros(HEADER, np.int32)
+        self.words = np.zeros(WORDS, np.int32)
+        self.flag = np.zeros(HEADER, np.int32)
         self.latencies: list[float] = []
 
     def start(self, steps: int) -> threading.Thread:
