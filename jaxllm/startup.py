@@ -322,8 +322,9 @@ def start_engine(model: str, config: EngineConfig, platform: Platform) -> Engine
     else:
         eos = eos_token_ids(tokenizer, path)
     settings = dataclasses.replace(
-        settings, num_blocks=num_blocks, eos_token_ids=tuple(int(t) for t in eos if t is not None)
-    )
+        settings, num_blocks=num_blocks, eos_token_ids=tuple(int(t) for t in eos if t is not None),
+        stepwise_masks=runner.mailbox is not None,
+    )  # fmt: skip
     scheduler = Scheduler(settings, ladder=ladder, eviction_policy=config.eviction_policy)
     return Engine(config, scheduler, runner, tokenizer, seconds, defaults)
 

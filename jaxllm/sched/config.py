@@ -32,6 +32,9 @@ class SchedulerConfig:
         enable_prefix_caching: reuse cached KV of identical full blocks across requests.
         num_scheduler_steps: decode steps one plan runs on the device (sampling each token
             there) when no request waits and at most `MULTI_STEP_MAX_SEQS` run (`buckets.py`).
+        stepwise_masks: such plans give a constrained row each step's own mask (the runner's
+            mailbox, `jaxllm.handoff`): any row takes them, up to its last token; else only
+            rows that may speculate (`jaxllm.structured`).
     """
 
     num_blocks: int
@@ -43,6 +46,7 @@ class SchedulerConfig:
     prefill_tile: int = 128
     enable_prefix_caching: bool = True
     num_scheduler_steps: int = 1
+    stepwise_masks: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))

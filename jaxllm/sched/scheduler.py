@@ -345,8 +345,8 @@ class Scheduler:
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
         logits processing (`changes_logits`), or the blocks are not free. A constrained one must
-        speculate (`jaxllm.structured`); it (any, `short_of_last`) must stop short of its last
-        token, so that its blocks outlive a roll-back."""
+        speculate (`jaxllm.structured`), but with `stepwise_masks`; it (any, `short_of_last`)
+        must stop short of its last token, so that its blocks outlive a roll-back."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
@@ -356,7 +356,7 @@ class Scheduler:
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
             last = seq.num_prompt_tokens + seq.max_tokens - 1
             end = min(seq.num_computed_tokens + steps, last)
-            grammar = seq.grammar
+            grammar = None if self.config.stepwise_masks else seq.grammar
             if grammar and not (end < last and grammar.speculates and mask_commutes(seq.params)):
                 return None
             if short_of_last and end == last:

@@ -32,6 +32,21 @@ def llms(request, text_model):
         return tuple(LLM(text_model, num_scheduler_steps=k, **settings) for k in (1, 4))
 
 
+def assert_as_one_step(one_step, several, params: list[SamplingParams]) -> None:
+    """`several` samples PROMPTS under `params` as `one_step` does, in plans of several steps,
+    nothing speculated."""
+    decode = several.engine.stats.decode
+    passes, plans = decode.forward_passes, decode.steps
+    expected = one_step.generate(PROMPTS, params, use_tqdm=False)
+    outputs = several.generate(PROMPTS, params, use_tqdm=False)
+    for alone, output in zip(expected, outputs, strict=True):
+        assert output.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert output.outputs[0].finish_reason == alone.outputs[0].finish_reason
+    assert decode.forward_passes - passes > decode.steps - plans
+    assert several.engine.grammars.speculation.tokens == 0
+    assert_idle(several)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0])
 @pytest.mark.parametrize("constraint", CONSTRAINTS, ids=["json", "regex", "choice", "widening"])
 def test_plans_of_several_steps_sample_what_one_step_plans_do(llms, constraint, temperature):
@@ -43,17 +58,7 @@ def test_plans_of_several_steps_sample_what_one_step_plans_do(llms, constraint, 
         )
         for seed in range(len(PROMPTS))
     ]
-    decode = several.engine.stats.decode
-    passes, plans = decode.forward_passes, decode.steps
-    expected = one_step.generate(PROMPTS, params, use_tqdm=False)
-    outputs = several.generate(PROMPTS, params, use_tqdm=False)
-    for alone, output in zip(expected, outputs, strict=True):
-        assert output.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert output.outputs[0].finish_reason == alone.outputs[0].finish_reason
-    # plans of several steps ran, nothing speculated
-    assert decode.forward_passes - passes > decode.steps - plans
-    assert several.engine.grammars.speculation.tokens == 0
-    assert_idle(several)
+    assert_as_one_step(one_step, several, params)
 
 
 def test_a_free_request_beside_constrained_ones_samples_as_alone(llms):
@@ -66,3 +71,16 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(llms):
     both = several.generate(["Go on", "Q"], [free, constrained], use_tqdm=False)
     assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_idle(several)
+
+
+def test_rows_with_top_k_and_top_p_take_plans_of_several_steps(llms):
+    """Such rows cannot speculate (their mask changes their draw), but a mailbox masks each step
+    as its own: Qwen3's sampling defaults (top-k 20, top-p 0.95), as one step a plan."""
+    one_step, several = llms
+    qwen3 = dict(temperature=0.6, top_k=20, top_p=0.95, max_tokens=40)
+    constraint = CONSTRAINTS[1]
+    params = [
+        SamplingParams(**qwen3, seed=seed, structured_outputs=constraint)
+        for seed in range(len(PROMPTS))
+    ]
+    assert_as_one_step(one_step, several, params)
