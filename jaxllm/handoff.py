@@ -198,6 +198,7 @@ class Mailbox:
         self._boxes: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self._plans = self._generation = 0
         self._opened: dict[int, tuple] = {}  # by base tag: steps, stepwise, future of its kept
+        self._kept: dict[int, concurrent.futures.Future] = {}  # by base tag, until `follow`
 
     @staticmethod
     def of(kernels, mesh: jax.sharding.Mesh, vocab_size: int) -> Mailbox | None:
@@ -237,17 +238,20 @@ class Mailbox:
         boxes = self.boxes(stepwise.num_rows)
         if first_mask is not None:
             self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
-        self._opened[base] = (num_steps, stepwise, concurrent.futures.Future(), first_mask is None)
+        kept = self._kept[base] = concurrent.futures.Future()
+        self._opened[base] = (num_steps, stepwise, kept, first_mask is None)
         return np.full(FLAG_WORDS, base, np.int32), *boxes
 
     def follow(self, mailbox: tuple) -> concurrent.futures.Future:
         """Answers the later steps of the plan just dispatched with `mailbox`; returns the
         future of its `stepwise.kept`, every step's tokens consumed."""
-        return self._opened[int(mailbox[0][0])][2]
+        return self._kept.pop(int(mailbox[0][0]))
 
     def reset(self) -> None:
         """Ends the answering of the plans in flight (a failed step)."""
         self._generation += 1
+        self._opened.clear()
+        self._kept.clear()
 
     def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
         raise NotImplementedError
@@ -271,6 +275,7 @@ class DeviceMailbox(Mailbox):
     def follow(self, mailbox: tuple) -> concurrent.futures.Future:
         tag, flag, masks, outbox = mailbox
         num_steps, stepwise, _, first = self._opened.pop(int(tag[0]))
+        del self._kept[int(tag[0])]
         job = (flag, masks, outbox, int(tag[0]), num_steps, stepwise, first, self._generation)
         return self._thread.submit(self._run, *job)
 
@@ -302,8 +307,8 @@ class DeviceMailbox(Mailbox):
                     self._answer(flag, masks, mask, base + 2 + step)
         except BaseException:
             # NOTE: every later step let through (it samples unmasked), so the program ends
+            every = np.full(num_rows * self._words, -1, np.int32)
             for later in range(step + 1, num_steps):
-                every = np.full(num_rows * self._words, -1, np.int32)
                 self._answer(flag, masks, every, base + 1 + later)
             raise
         return stepwise.kept
@@ -339,8 +344,9 @@ class HostMailbox(Mailbox):
         result = jax.ShapeDtypeStruct(masks.shape, jnp.int32)
         return io_callback(self._mask, result, tag[0], after[0, 0])
 
-    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
-        return self._opened.pop(int(mailbox[0][0]))[2]
+    def reset(self) -> None:
+        super().reset()
+        self._masks.clear()
 
     def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
         self._masks[base + 1] = mask
@@ -355,10 +361,12 @@ class HostMailbox(Mailbox):
         try:
             mask = stepwise.after(step, np.asarray(tokens))
         except BaseException as error:
+            del self._opened[base]
             kept.set_exception(error)
             raise
         if step + 1 < num_steps:
             self._masks[int(tag) + 1] = mask.reshape(-1).copy()
-        else:
+        else:  # NOTE: kept until here, as the program may run after `follow` returns
+            del self._opened[base]
             kept.set_result(stepwise.kept)
         return np.asarray(tokens)
