@@ -286,7 +286,7 @@ class Engine:
                     masks = functools.partial(self._masks, plan, seconds, outputs)
                     if plan.speculative and not self._speculates:
                         stepwise = StepwiseMasks(plan, self.grammars.vocab_size)
-                        if self.runner.mailbox.overlaps:  # the first step's too, once applied
+                        if self.runner.mailbox.overlaps:  # the first step's too, on its thread
                             masks = None
                 result = self.runner.execute(plan, masks, stepwise)
             elif self._in_flight is None and self.scheduler.has_unfinished():

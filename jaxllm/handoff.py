@@ -6,18 +6,21 @@ GPUs, as below; `HostMailbox`, the same steps through host callbacks, on a CPU i
 Two device buffers make the mailbox of a plan's rows, at addresses fixed once allocated: the
 outbox, where a Pallas kernel (`publish`) stores each sampled token as one int32 word with its
 step's tag, and the masks with their flag, where another (`wait_for_mask`) spins until the flag
-holds its step's tag before it copies the masks out for the sampler. On the host a thread of
-`Mailbox` polls the outbox through the CUDA driver on a stream of its own, advances the rows'
-grammars (`StepwiseMasks`), then writes the next step's masks and, after them, the
-flag: XLA's stream never waits for the host, and the device only where the host is late.
+holds its step's tag before it copies the masks out for the sampler. On the host a thread
+polls the outbox through the CUDA driver on a stream of its own, advances the rows' grammars
+(`StepwiseMasks`), then writes the next step's masks and, after them, the flag (after a plan's
+last step, the next plan's first). XLA's stream never waits for the host, the device only where
+the host is late.
 A wait that spins `SPIN_LIMIT` polls gives up (its step samples unmasked): a host that died
 cannot hang the device. Tags name a plan and its step, so no step reads another's.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import threading
 import time
@@ -99,8 +102,9 @@ def wait_for_mask(tag: jax.Array, after: jax.Array, flag: jax.Array, masks: jax.
 class StepwiseMasks:
     """The masks of a plan of several decode steps whose every step samples under its own
     (`jaxllm.handoff`): every token a live row samples is kept (`after` counts them in `kept`).
-    The first step's come from `Grammars.bitmask`, or from `first` once `ready` is set (the
-    plan before applied), on the mailbox's thread."""
+    The first step's come from `Grammars.bitmask`, or from `first` on the mailbox's thread once
+    the plan before's last tokens are consumed; the grammars advance once `ready` is set (the
+    plan before applied: the main thread reads them until then)."""
 
     def __init__(self, plan, vocab_size: int) -> None:
         self._plan, self._live = plan, None
@@ -114,21 +118,24 @@ class StepwiseMasks:
         self._start()
         return self._filled()
 
-    def after(self, step: int, tokens: np.ndarray) -> np.ndarray:
+    def after(self, step: int, tokens: np.ndarray) -> np.ndarray | None:
         """Advances the live rows' grammars past `tokens` [S], step `step`'s, and returns the
-        next step's masks (every bit set in other rows, whose tokens are dropped)."""
+        next step's masks (every bit set in other rows, whose tokens are dropped); None after
+        the plan's last step."""
         if self._live is None:  # the rows as `Grammars.bitmask` found them
             self._start()
         counts = self._plan.num_new_tokens
         live = [(row, grammar) for row, grammar in self._live if step < counts[row]]
         consume_tokens([(grammar, int(tokens[row])) for row, grammar in live])
-        for row, _ in live:
-            self.kept[row] += 1
+        self.kept.update({row: self.kept[row] + 1 for row, _ in live})
+        if step + 1 == self._plan.bucket.num_steps:
+            return None
         self._live = [(row, g) for row, g in live if step + 1 < counts[row] and not g.is_terminated]
         return self._filled()
 
     def _start(self) -> None:
-        self._live = grammar_rows(self._plan)
+        # NOTE: a grammar may end in the plan before, not yet applied (its sequence unfinished)
+        self._live = [(row, g) for row, g in grammar_rows(self._plan) if not g.is_terminated]
         self.kept = dict.fromkeys((row for row, _ in self._live), 0)
 
     def _filled(self) -> np.ndarray:
@@ -158,24 +165,36 @@ class Driver:
 
     def write(self, address: int, host: np.ndarray) -> None:
         """Copies `host` (contiguous) to device memory at `address`, and waits."""
-        self._check(self._lib.cuMemcpyHtoDAsync_v2(
-            ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data),
-            ctypes.c_size_t(host.nbytes), self._stream,
-        ))  # fmt: skip
-        self._check(self._lib.cuStreamSynchronize(self._stream))
+        device, pointer = ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data)
+        self._copy(self._lib.cuMemcpyHtoDAsync_v2, device, pointer, host.nbytes)
 
     def read(self, host: np.ndarray, address: int) -> None:
         """Copies device memory at `address` into `host` (contiguous), and waits."""
-        self._check(self._lib.cuMemcpyDtoHAsync_v2(
-            ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(address),
-            ctypes.c_size_t(host.nbytes), self._stream,
-        ))  # fmt: skip
+        device, pointer = ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data)
+        self._copy(self._lib.cuMemcpyDtoHAsync_v2, pointer, device, host.nbytes)
+
+    def _copy(self, copy, to, source, nbytes: int) -> None:
+        self._check(copy(to, source, ctypes.c_size_t(nbytes), self._stream))
         self._check(self._lib.cuStreamSynchronize(self._stream))
 
     @staticmethod
     def _check(status: int) -> None:
         if status != 0:
             raise RuntimeError(f"the CUDA driver returned error {status}")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A plan opened in a mailbox, until its last step is answered."""
+
+    base: int  # its tag
+    num_steps: int
+    stepwise: StepwiseMasks
+    boxes: tuple[jax.Array, jax.Array, jax.Array]  # flag, masks, outbox
+    generation: int  # the mailbox's resets before it
+    # NOTE: `HostMailbox`'s (a `DeviceMailbox`'s is its thread's)
+    kept: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    answered: bool = False  # its first step's masks written (`DeviceMailbox`)
 
 
 class Mailbox:
@@ -197,8 +216,7 @@ class Mailbox:
         self._sharding, self._words = sharding, mask_words
         self._boxes: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
         self._plans = self._generation = 0
-        self._opened: dict[int, tuple] = {}  # by base tag: steps, stepwise, future of its kept
-        self._kept: dict[int, concurrent.futures.Future] = {}  # by base tag, until `follow`
+        self._opened: _Plan | None = None  # the last
 
     @staticmethod
     def of(kernels, mesh: jax.sharding.Mesh, vocab_size: int) -> Mailbox | None:
@@ -228,33 +246,25 @@ class Mailbox:
         return self._boxes[num_rows]
 
     def open(self, first_mask: np.ndarray | None, num_steps: int, stepwise) -> tuple:
-        """Writes the first step's masks [S, words] of a plan of `num_steps` (under its tag),
-        whose later steps' `stepwise.after(step, tokens)` (`StepwiseMasks`) gives
+        """Opens a plan of `num_steps` under the next tag: its first step's masks [S, words] are
+        `first_mask`, and its later steps' `stepwise.after(step, tokens)` (`StepwiseMasks`),
         from the step before's tokens (None, `overlaps`: `stepwise.first()` gives the first
-        step's too, once the plan before is applied); returns the program's mailbox arguments:
-        the plan's base tag, the flag, masks and outbox."""
+        step's too, from the grammars as the plan before leaves them); returns the program's
+        mailbox arguments: the plan's base tag, the flag, masks and outbox."""
         base = (self._plans % PLAN_TAGS) * STEP_TAGS
         self._plans += 1
         boxes = self.boxes(stepwise.num_rows)
-        if first_mask is not None:
-            self._first(boxes, np.ascontiguousarray(first_mask).reshape(-1), base)
-        kept = self._kept[base] = concurrent.futures.Future()
-        self._opened[base] = (num_steps, stepwise, kept, first_mask is None)
+        self._opened = _Plan(base, num_steps, stepwise, boxes, self._generation)
         return np.full(FLAG_WORDS, base, np.int32), *boxes
 
-    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
-        """Answers the later steps of the plan just dispatched with `mailbox`; returns the
-        future of its `stepwise.kept`, every step's tokens consumed."""
-        return self._kept.pop(int(mailbox[0][0]))
+    def follow(self) -> concurrent.futures.Future:
+        """Answers the steps of the plan opened last, now dispatched; returns the future of its
+        `stepwise.kept`, every step's tokens consumed."""
+        return self._opened.kept
 
     def reset(self) -> None:
         """Ends the answering of the plans in flight (a failed step)."""
         self._generation += 1
-        self._opened.clear()
-        self._kept.clear()
-
-    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
-        raise NotImplementedError
 
 
 class DeviceMailbox(Mailbox):
@@ -263,65 +273,78 @@ class DeviceMailbox(Mailbox):
 
     publish = staticmethod(publish)
     wait = staticmethod(wait_for_mask)
-    # NOTE: a plan is dispatched while the one before runs, its first masks filled by the
-    # thread once that one's tokens are applied: the device does not wait between plans
+    # NOTE: a plan is dispatched while the one before runs and the thread fills its first masks
+    # once it has that one's last tokens: the device does not wait between plans
     overlaps = True
 
     def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
         super().__init__(sharding, mask_words)
         self._driver = Driver()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-mailbox")
+        self._followed: collections.deque[_Plan] = collections.deque()  # in dispatch order
 
-    def follow(self, mailbox: tuple) -> concurrent.futures.Future:
-        tag, flag, masks, outbox = mailbox
-        num_steps, stepwise, _, first = self._opened.pop(int(tag[0]))
-        del self._kept[int(tag[0])]
-        job = (flag, masks, outbox, int(tag[0]), num_steps, stepwise, first, self._generation)
-        return self._thread.submit(self._run, *job)
+    def follow(self) -> concurrent.futures.Future:
+        self._followed.append(self._opened)
+        return self._thread.submit(self._run)
 
-    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
-        self._driver.use()
-        self._answer(*boxes[:2], mask, base + 1)
-
-    def _answer(self, flag: jax.Array, masks: jax.Array, mask: np.ndarray, tag: int) -> None:
+    def _answer(self, plan: _Plan, mask: np.ndarray, tag: int) -> None:
         """The masks first, then the flag that lets the device read them."""
+        flag, masks, _ = plan.boxes
         self._driver.write(masks.unsafe_buffer_pointer(), mask)
         self._driver.write(flag.unsafe_buffer_pointer(), np.full(FLAG_WORDS, tag, np.int32))
 
-    def _run(self, flag, masks, outbox, base, num_steps, stepwise, first, generation):
-        """Each step's tokens to `stepwise`, its masks back, until the plan's last step (with
-        `first`, the first step's masks before all)."""
+    def _answer_first(self, plan: _Plan) -> None:
+        """Writes `plan`'s first step's masks, from its grammars as the plans before left them."""
+        self._answer(plan, plan.stepwise.first(), plan.base + 1)
+        plan.answered = True
+
+    def _run(self) -> dict[int, int]:
+        """Answers the oldest plan followed: each step's tokens to its `StepwiseMasks`, its
+        masks back; then the next plan's first masks, if it is followed already (else the
+        next `_run` writes them). Returns the tokens its rows keep."""
         self._driver.use()
-        words, num_rows = np.zeros(outbox.shape[0], np.int32), stepwise.num_rows
-        step = -1 if first else 0
+        plan = self._followed.popleft()
+        step = 0 if plan.answered else -1
         try:
-            if first:
-                while not stepwise.ready.wait(0.1):  # the plan before applied
-                    if generation != self._generation:
-                        raise RuntimeError("the engine was reset")
-                self._answer(flag, masks, stepwise.first(), base + 1)
-            for step in range(num_steps):
-                tokens = self._tokens(outbox, words, num_rows, base + 1 + step, generation)
-                mask = stepwise.after(step, tokens)
-                if step + 1 < num_steps:
-                    self._answer(flag, masks, mask, base + 2 + step)
+            if not plan.answered:
+                self._wait_applied(plan)
+                self._answer_first(plan)
+            for step in range(plan.num_steps):
+                tag = plan.base + 1 + step
+                tokens = self._tokens(plan, tag)
+                if step == 0:
+                    self._wait_applied(plan)
+                mask = plan.stepwise.after(step, tokens)
+                if mask is not None:
+                    self._answer(plan, mask, tag + 1)
+            if self._followed and self._followed[0].generation == self._generation:
+                # NOTE: the device runs its first forward pass meanwhile; this plan's tokens
+                # are applied on the main thread once `_run` returns
+                self._answer_first(self._followed[0])
         except BaseException:
             # NOTE: every later step let through (it samples unmasked), so the program ends
-            every = np.full(num_rows * self._words, -1, np.int32)
-            for later in range(step + 1, num_steps):
-                self._answer(flag, masks, every, base + 1 + later)
+            every = np.full(plan.stepwise.num_rows * self._words, -1, np.int32)
+            for later_step in range(step + 1, plan.num_steps):
+                self._answer(plan, every, plan.base + 1 + later_step)
             raise
-        return stepwise.kept
+        return plan.stepwise.kept
 
-    def _tokens(self, outbox, words, num_rows: int, tag: int, generation: int) -> np.ndarray:
-        """The tokens a step published with `tag`, polled for."""
-        deadline = time.perf_counter() + HOST_TIMEOUT
-        address = outbox.unsafe_buffer_pointer()
+    def _wait_applied(self, plan: _Plan) -> None:
+        """Waits until the plan before `plan` is applied (`StepwiseMasks.ready`): until then the
+        main thread reads the grammars, which `plan`'s steps advance."""
+        while not plan.stepwise.ready.wait(0.1):
+            if plan.generation != self._generation:
+                raise RuntimeError("the engine was reset")
+
+    def _tokens(self, plan: _Plan, tag: int) -> np.ndarray:
+        """The tokens `plan`'s step published with `tag`, polled for."""
+        outbox, num_rows = plan.boxes[2], plan.stepwise.num_rows
+        deadline, words = time.perf_counter() + HOST_TIMEOUT, np.zeros(outbox.shape[0], np.int32)
         while True:
-            self._driver.read(words, address)
+            self._driver.read(words, outbox.unsafe_buffer_pointer())
             if (words[:num_rows] >> TOKEN_BITS == tag).all():
                 return words[:num_rows] & ((1 << TOKEN_BITS) - 1)
-            if generation != self._generation:
+            if plan.generation != self._generation:
                 raise RuntimeError("the engine was reset")
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"no tokens of step tag {tag} in {HOST_TIMEOUT} s")
@@ -335,6 +358,7 @@ class HostMailbox(Mailbox):
     def __init__(self, sharding: jax.sharding.Sharding, mask_words: int) -> None:
         super().__init__(sharding, mask_words)
         self._masks: dict[int, np.ndarray] = {}  # by step tag: masks not yet read
+        self._running: dict[int, _Plan] = {}  # by base tag, until their last step
 
     def publish(self, tokens: jax.Array, tag: jax.Array, outbox: jax.Array) -> jax.Array:
         result = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
@@ -344,12 +368,16 @@ class HostMailbox(Mailbox):
         result = jax.ShapeDtypeStruct(masks.shape, jnp.int32)
         return io_callback(self._mask, result, tag[0], after[0, 0])
 
+    def open(self, first_mask: np.ndarray, num_steps: int, stepwise) -> tuple:
+        mailbox = super().open(first_mask, num_steps, stepwise)
+        self._running[self._opened.base] = self._opened
+        self._masks[self._opened.base + 1] = np.ascontiguousarray(first_mask).reshape(-1)
+        return mailbox
+
     def reset(self) -> None:
         super().reset()
         self._masks.clear()
-
-    def _first(self, boxes: tuple, mask: np.ndarray, base: int) -> None:
-        self._masks[base + 1] = mask
+        self._running.clear()
 
     def _mask(self, tag, after) -> np.ndarray:
         del after  # orders the call after the step's forward pass
@@ -357,16 +385,16 @@ class HostMailbox(Mailbox):
 
     def _published(self, tokens: np.ndarray, tag) -> np.ndarray:
         base = (int(tag) - 1) // STEP_TAGS * STEP_TAGS
-        step, (num_steps, stepwise, kept, _) = int(tag) - 1 - base, self._opened[base]
+        step, plan = int(tag) - 1 - base, self._running[base]
         try:
-            mask = stepwise.after(step, np.asarray(tokens))
+            mask = plan.stepwise.after(step, np.asarray(tokens))
         except BaseException as error:
-            del self._opened[base]
-            kept.set_exception(error)
+            del self._running[base]
+            plan.kept.set_exception(error)
             raise
-        if step + 1 < num_steps:
+        if mask is not None:
             self._masks[int(tag) + 1] = mask.reshape(-1).copy()
         else:  # NOTE: kept until here, as the program may run after `follow` returns
-            del self._opened[base]
-            kept.set_result(stepwise.kept)
+            del self._running[base]
+            plan.kept.set_result(plan.stepwise.kept)
         return np.asarray(tokens)

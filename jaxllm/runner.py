@@ -356,7 +356,7 @@ class ModelRunner:
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode, bool(mailbox)](
             self.params, self.kv_cache, *packed, previous_tokens, mailbox
         )
-        kept = None if mailbox is None else self.mailbox.follow(mailbox)
+        kept = None if mailbox is None else self.mailbox.follow()
         return tokens, last, kept
 
     def _dispatch_forward(

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     # run starts from the state the simulator assumes.
     warmup_tokens = 1 if requests else SamplingParams().max_tokens
     # NOTE: with the run's settings, so that what they first compile is compiled here.
-    warmup = dataclasses.replace(params[0], temperature=0.0, max_tokens=warmup_tokens)
+    warmup = dataclasses.replace(params[0], max_tokens=warmup_tokens)
     llm.generate(["Benchmark: "], warmup, use_tqdm=False)
 
     compilations, built_before = count_compilations(), llm.engine.runner.num_executables

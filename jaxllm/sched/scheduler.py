@@ -225,7 +225,7 @@ class Scheduler:
             accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
         for index, (seq, samples, row, count) in enumerate(rows):
             kept = accepted.get(index, count)
-            if kept < count:
+            if kept < count and not seq.is_finished:
                 end = seq.num_computed_tokens = seq.num_tokens + kept - 1
                 seq.kv_ahead = True  # the step that took its last kept token as input wrote it
                 self.block_pool.truncate(seq.block_table, end + 1, seq.params.extra_args)
