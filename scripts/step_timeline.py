@@ -7,10 +7,11 @@ Runs `--num-seqs` prompts of 512 tokens (each under bench.py's JSON schema with
 `--json-schema`), traces a stretch of decode steps with JAX's profiler and prints, in ms from the
 first traced step's start, what the host did (the engine's calls, annotated here: the engine
 carries no annotations) and which executables the device ran, merged from their kernels; then
-the device's idle share of the stretch (between kernels, and between executables) and each
-executable's time. The trace stays in `--trace-dir` for Perfetto. `--around LABEL` prints every
-host thread's events (XLA's and PjRt's too) and the device's kernels in the few ms after one of
-the annotated calls, e.g. what lies between a plan's masks and its first kernel.
+the device's idle share of the stretch (between kernels, and between executables), each
+executable's time and the longest kernels. The trace stays in `--trace-dir` for Perfetto.
+`--around LABEL` prints every host thread's events (XLA's and PjRt's too) and the device's
+kernels in the few ms after one of the annotated calls, e.g. what lies between a plan's masks
+and its first kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.engine import Engine
+from jaxllm.handoff import DeviceMailbox, StepwiseMasks
 from jaxllm.model.logits_processors import LogitsProcessors
 from jaxllm.research.bench import BENCH_SCHEMA, fixed_workload
 from jaxllm.research.flags import at_least
@@ -43,7 +45,12 @@ ANNOTATED = (
     (Grammars, "bitmask", "fill masks"),
     (LogitsProcessors, "mask", "dispatch mask"),
     (ModelRunner, "_run_sampler", "dispatch sampler"),
+    (StepwiseMasks, "first", "first masks"),
+    (StepwiseMasks, "after", "advance + masks"),
+    (DeviceMailbox, "_tokens", "poll tokens"),
 )
+# The device's kernels shown by name, the longest first.
+TOP_KERNELS = 8
 # Kernels closer than this (ns) to the one before, of the same module, make one span.
 MERGE_NS = 20_000
 
@@ -84,10 +91,10 @@ def events(trace_dir: str) -> tuple[list[Span], list[Span]]:
                     host.append((*span, "host", event.name))
                 elif plane.name.startswith("/device:GPU") and "Stream" in line.name:
                     module = str(dict(event.stats).get("hlo_module", event.name))
-                    kernels.append((*span, "device", module))
+                    kernels.append((*span, module, event.name))
     kernels.sort()
     merged: list[list] = []
-    for start, end, _, module in kernels:
+    for start, end, module, _ in kernels:
         if merged and merged[-1][3] == module and start - merged[-1][1] < MERGE_NS:
             merged[-1][1] = max(merged[-1][1], end)
         else:
@@ -127,6 +134,12 @@ def report(spans: list[Span], kernels: list[Span], first_step: int, num_steps: i
         by_module[label] += max(0, min(stop, end) - max(start, begin))
     for module, total in sorted(by_module.items(), key=lambda item: -item[1]):
         print(f"  {module[:60]:60s} {total / num_steps / 1e6:7.3f} ms a step")
+    by_kernel: dict[str, int] = collections.defaultdict(int)
+    for start, stop, _, name in kernels:
+        by_kernel[name] += max(0, min(stop, end) - max(start, begin))
+    print(f"the {TOP_KERNELS} longest kernels:")
+    for name, total in sorted(by_kernel.items(), key=lambda item: -item[1])[:TOP_KERNELS]:
+        print(f"  {name[:60]:60s} {total / num_steps / 1e6:7.3f} ms a step")
 
 
 def around(trace_dir: str, label: str, index: int, min_us: float = 20.0) -> None:
