@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import NamedTuple
 
 import numpy as np
 
@@ -23,18 +22,8 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import Scheduler, StepPlan
 from jaxllm.sched.processors import SequenceProcessors, bad_word_ids, one_token_words
 from jaxllm.steps import StepResult
-from jaxllm.structured import Grammars, accept_tokens, ahead_holds, grammar_rows
+from jaxllm.structured import Grammars, grammar_rows
 from jaxllm.weights import deleted_leaf
-
-
-class _Checked(NamedTuple):
-    """A step's tokens, read back at `time`, and what its constrained rows keep of them."""
-
-    plan: StepPlan
-    sampled: np.ndarray
-    logprobs: np.ndarray | None
-    accepted: dict[int, int]
-    time: float
 
 
 class Engine:
@@ -69,8 +58,6 @@ class Engine:
         self._next_plan: StepPlan | None = None
         eos = scheduler.config.eos_token_ids
         self.grammars = Grammars(tokenizer, runner.config.vocab_size, eos)
-        # constrained rows speculate in plans of several steps, but where a mailbox hands them
-        self._speculates = runner.mailbox is None
 
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
@@ -261,9 +248,8 @@ class Engine:
 
         Outputs arrive one call after their last step. While the plan needs every sampled token
         on the host (bad words of several tokens: `Scheduler.needs_host_tokens`), the previous
-        step's tokens are applied first; after a speculative plan (`StepPlan.speculative`),
-        checked first (`_plan_past_speculation`). A plan with grammars gets its masks from
-        `_masks` (of several steps with a mailbox, from `StepwiseMasks`). A step that raises
+        step's tokens are applied first. A plan with grammars gets its masks from `_masks` (of
+        several steps, from `StepwiseMasks` through the runner's mailbox). A step that raises
         (a device error, an interrupt it did not hold back) resets the engine first (`reset`).
         """
         start = time.perf_counter()
@@ -271,11 +257,7 @@ class Engine:
         seconds = {"wait": 0.0, "masks": 0.0, "masks_late": 0}
         try:
             plan, self._next_plan = self._next_plan, None
-            checked = None  # the step before, checked, to apply once this one is dispatched
-            speculated = self._speculates and self._in_flight and self._in_flight[0].speculative
-            if plan is None and speculated:
-                plan, checked = self._plan_past_speculation(seconds, outputs)
-            elif self.scheduler.needs_host_tokens or speculated:
+            if self.scheduler.needs_host_tokens:
                 outputs += self._apply_in_flight(seconds)
             if plan is None:
                 plan = self.scheduler.schedule()
@@ -284,7 +266,7 @@ class Engine:
             if plan is not None:
                 if self.scheduler.num_constrained and any(grammar_rows(plan)):
                     masks = functools.partial(self._masks, plan, seconds, outputs)
-                    if plan.speculative and not self._speculates:
+                    if plan.bucket.num_steps > 1:
                         stepwise = StepwiseMasks(plan, self.grammars.vocab_size)
                         if self.runner.mailbox.overlaps:  # the first step's too, on its thread
                             masks = None
@@ -292,8 +274,6 @@ class Engine:
             elif self._in_flight is None and self.scheduler.has_unfinished():
                 self.grammars.wait([seq.grammar for seq in self.scheduler.waiting])
             dispatch_seconds = time.perf_counter() - dispatch_start - (seconds["wait"] - waited)
-            if checked is not None:
-                outputs += self._apply(checked)
             outputs += self._apply_in_flight(seconds)
             if stepwise is not None:
                 stepwise.ready.set()
@@ -316,69 +296,19 @@ class Engine:
             kind.masks_late_steps += seconds["masks_late"]
         return outputs
 
-    def _plan_past_speculation(
-        self, seconds: dict[str, float], outputs: list[RequestOutput]
-    ) -> tuple[StepPlan | None, _Checked | None]:
-        """With a speculative plan in flight: the next plan of several steps, planned while the
-        device runs it (`Scheduler.plan_ahead`), and the plan in flight with its tokens
-        checked, to apply once the next is dispatched. Its mask, filled then, is what the host
-        adds between the two. Or (None, None), the plan in flight applied, where the check
-        refused a token the next plan took as kept (undone), or none was planned."""
-        scheduler = self.scheduler
-        ahead = None if scheduler.needs_host_tokens else scheduler.plan_ahead()
-        (plan, result), self._in_flight = self._in_flight, None
-        checked = self._check(plan, result, seconds)
-        if ahead is not None and ahead_holds(ahead, plan, checked.accepted):
-            self.grammars.speculation.plans_ahead += 1
-            return ahead, checked
-        if ahead is not None:
-            scheduler.unplan(ahead)
-        outputs += self._apply(checked)
-        return None, None
-
     def _apply_in_flight(self, seconds: dict[str, float]) -> list[RequestOutput]:
-        """Applies the step in flight, if any, adding its wait to `seconds`."""
+        """Applies the step in flight, if any, adding its wait for the tokens to `seconds`;
+        returns the outputs of the requests that finished."""
         if self._in_flight is None:
             return []
-        in_flight, self._in_flight = self._in_flight, None
-        return self._apply(self._check(*in_flight, seconds))
-
-    def _masks(self, plan: StepPlan, seconds: dict, outputs: list, forward) -> np.ndarray:
-        """`plan`'s token bitmask, filled after the step in flight is applied (its tokens advance
-        the grammars; its finished requests join `outputs`). A speculative plan's (`forward`
-        None) before it is dispatched; for one step, while its forward pass (`forward`: the
-        future of its logits and settings) is dispatched and runs, the next step planned then
-        too so that its forward pass follows this step's sampler at once (late: the forward
-        pass was done)."""
-        outputs += self._apply_in_flight(seconds)
-        start = time.perf_counter()
-        bitmask = self.grammars.bitmask(plan)
-        seconds["masks"] += time.perf_counter() - start
-        if forward is not None:
-            if not self.scheduler.needs_host_tokens:
-                self._next_plan = self.scheduler.schedule()
-            seconds["masks_late"] += forward.done() and forward.result()[0].is_ready()
-        return bitmask
-
-    def _check(self, plan: StepPlan, result: StepResult, seconds: dict) -> _Checked:
-        """Waits for a step's tokens (adding the wait to `seconds`) and checks them against
-        their grammars (`accept_tokens`)."""
+        (plan, result), self._in_flight = self._in_flight, None
         wait_start = time.perf_counter()
         sampled = np.asarray(result.tokens)
         logprobs = None if result.logprobs is None else np.asarray(result.logprobs)
         now = time.perf_counter()
         seconds["wait"] += now - wait_start
-        if result.kept is not None:  # advanced step by step while the plan ran
-            accepted = result.kept.result()
-        elif self.scheduler.num_constrained:
-            accepted = accept_tokens(plan, *plan.row_tokens(sampled))
-        else:
-            accepted = {}
-        return _Checked(plan, sampled, logprobs, accepted, now)
-
-    def _apply(self, checked: _Checked) -> list[RequestOutput]:
-        """Applies a step's checked tokens; returns the outputs of the requests that finished."""
-        plan, sampled, logprobs, accepted, now = checked
+        # NOTE: a plan of several steps advanced its grammars step by step while it ran
+        accepted = None if result.kept is None else result.kept.result()
         finished = self.scheduler.update(plan, sampled, logprobs, accepted)
         for seq, samples in zip(plan.seqs, plan.samples, strict=True):
             request = self._by_seq.get(seq.seq_id)
@@ -390,6 +320,23 @@ class Engine:
             for request in sorted(done, key=lambda request: request.request_id)
             if all(seq.is_finished for seq in request.seqs)
         ]
+
+    def _masks(self, plan: StepPlan, seconds: dict, outputs: list, forward) -> np.ndarray:
+        """`plan`'s token bitmask, filled after the step in flight is applied (its tokens advance
+        the grammars; its finished requests join `outputs`). The first step's of a plan of
+        several (`forward` None) before it is dispatched; for one step, while its forward pass
+        (`forward`: the future of its logits and settings) is dispatched and runs, the next step
+        planned then too so that its forward pass follows this step's sampler at once (late: the
+        forward pass was done)."""
+        outputs += self._apply_in_flight(seconds)
+        start = time.perf_counter()
+        bitmask = self.grammars.bitmask(plan)
+        seconds["masks"] += time.perf_counter() - start
+        if forward is not None:
+            if not self.scheduler.needs_host_tokens:
+                self._next_plan = self.scheduler.schedule()
+            seconds["masks_late"] += forward.done() and forward.result()[0].is_ready()
+        return bitmask
 
     def _output(self, request: Request, now: float) -> RequestOutput:
         """The output of a request whose completions all finished; forgets the request."""

@@ -204,8 +204,8 @@ class ModelRunner:
         ] + [
             (self._multi_step_executables, (bucket, mode, mailbox), functools.partial(
                 self._decode_steps.lower, params, cache, packed(padding_step(bucket)),
-                packed(bucket.padding()[1]), shape((bucket.num_sampled, self.processors.mask_words),
-                jnp.int32), no_tokens, self.mailbox.shapes(bucket.num_sampled) if mailbox else None,
+                packed(bucket.padding()[1]), no_tokens,
+                self.mailbox.shapes(bucket.num_sampled) if mailbox else None,
                 bucket=bucket, mode=mode,
             ), options(bucket.num_tokens, loop=True))
             for bucket in multi for mode in sampler_modes
@@ -294,11 +294,11 @@ class ModelRunner:
         without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
         rows' token bitmask: for one step, called with the future of `_run_forward`'s result
         while it is dispatched (the host's work in it overlaps the dispatch and the device's);
-        for several, with None before the plan is dispatched: the first step's, for all, or
-        with `stepwise` and a mailbox its own, the later steps' from `stepwise` (`handoff`)."""
+        for several (with `stepwise`: the runner has a mailbox), with None before the plan is
+        dispatched: the first step's (None: from `stepwise` too), the later steps' from
+        `stepwise` (`handoff`)."""
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
-        stepwise = stepwise if self.mailbox is not None else None
         if not self._has_executables(bucket, mode, plan.logprobs, stepwise is not None):
             self._compile_for(bucket, mode, plan.logprobs, stepwise is not None)
         previous_plan, previous_tokens = self._previous or (None, self._no_tokens)
@@ -347,12 +347,12 @@ class ModelRunner:
         previous_tokens: jax.Array,
         stepwise: Any,
     ) -> tuple[jax.Array, jax.Array, concurrent.futures.Future | None]:
-        """Dispatches a plan of several decode steps under `bitmask` (None: all allowed; with
-        `stepwise`, the first step's: `Mailbox`); keeps its cache; returns every step's tokens
-        (in host memory), the last's, and with `stepwise` the future of the kept ones."""
+        """Dispatches a plan of several decode steps, with `stepwise` each under its own token
+        mask (`Mailbox`; `bitmask` the first step's, or None); keeps its cache; returns every
+        step's tokens (in host memory), the last's, and with `stepwise` the future of the kept
+        ones."""
         mailbox = stepwise and self.mailbox.open(bitmask, bucket.num_steps, stepwise)
-        bitmask = self.processors.bitmask(bucket.num_sampled, None if mailbox else bitmask)
-        packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)), bitmask)
+        packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)))
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode, bool(mailbox)](
             self.params, self.kv_cache, *packed, previous_tokens, mailbox
         )

@@ -135,7 +135,6 @@ def decode_steps(
     kv_cache,
     packed,
     packed_sampling,
-    bitmask,
     previous_tokens,
     mailbox=None,
     *,
@@ -147,11 +146,10 @@ def decode_steps(
 ):
     """A decode plan's K steps in one program: each step's sampled tokens are the next one's
     inputs, at the next position, and its KV goes to the slots the host gave (`step_slots`).
-    `bitmask` [S, ceil(V / 32)] masks every step's logits (structured outputs: the first step's
-    mask; the host checks the later tokens, `structured.accept_tokens`); with `mailbox` (the
-    plan's base tag, then the flag, masks and outbox of `handoff`, a `handoff.Mailbox`), each
-    step's own, from the host, which gets each step's tokens. Returns the tokens of every step [K,
-    num_rows] (for the host), those of the last [num_rows] (for the next plan), the cache."""
+    With `mailbox` (the plan's base tag, then the flag, masks and outbox of `handoff`, a
+    `handoff.Mailbox`) each step samples under its own [S, ceil(V / 32)] token bitmask, from the
+    host, which gets each step's tokens (structured outputs). Returns the tokens of every step
+    [K, num_rows] (for the host), those of the last [num_rows] (for the next plan), the cache."""
     *arrays, rows, slots = unpack(packed, padding_step(bucket))
     inputs = ModelInputs(*arrays)
     sampling = SamplingInputs(*unpack(packed_sampling, bucket.padding()[1]))
@@ -164,16 +162,14 @@ def decode_steps(
             positions=inputs.positions + j,
             slot_mapping=slots[j],
             # NOTE: a row past its steps (slot -1 after the first), like padding, attends to
-            # nothing: its context would run past its block table. At the first step, slot -1
-            # is a row whose K/V the cache holds already (`Sequence.kv_ahead`).
-            context_lens=jnp.where((slots[j] >= 0) | (j == 0), inputs.context_lens + j, 0),
+            # nothing: its context would run past its block table
+            context_lens=jnp.where(slots[j] >= 0, inputs.context_lens + j, 0),
         )
         logits, kv_cache = forward_fn(params, kv_cache, step_inputs)
-        mask = bitmask
         if mailbox is not None:
             tag, flag, masks, outbox = mailbox
-            mask = handoff.wait(tag + 1 + j, logits, flag, masks).reshape(bitmask.shape)
-        logits = apply_bitmask(logits, mask)
+            mask = handoff.wait(tag + 1 + j, logits, flag, masks)
+            logits = apply_bitmask(logits, mask.reshape(bucket.num_sampled, -1))
         step_sampling = sampling._replace(steps=sampling.steps + j)
         sampled = sample(logits, step_sampling, mode=mode, fused_argmax=fused_argmax)
         if mailbox is not None:

@@ -4,7 +4,7 @@ Runs bench.py's workload (nano-vllm's, 256 sequences; with `--json-schema` each 
 schema) after a warm-up, and either
 - profiles the host with cProfile (the default) and prints the functions with the most own time
   and the most cumulative time. Time spent waiting for the device shows under the call that
-  reads the sampled tokens (`Engine._check` -> `numpy.asarray`); the rest of
+  reads the sampled tokens (`Engine._apply_in_flight` -> `numpy.asarray`); the rest of
   `Engine.step` is host work; or
 - with `--device`, traces the device with JAX's profiler in windows of the run (`--windows`,
   seconds from its start, each `--window-length` long) and prints each window's kernel time by

@@ -56,7 +56,7 @@ class Kernels:
             graphs without updating them.
         mailbox: constrained rows' plans of several decode steps take each step's token mask
             from the host while they run (`jaxllm.handoff`, one device): "device" (NVIDIA
-            GPUs) or "host" (callbacks: a CPU, in tests); None: the rows speculate.
+            GPUs) or "host" (callbacks: a CPU, in tests); None: such rows take plans of one step.
     """
 
     prefill: str = "reference"

@@ -33,8 +33,7 @@ class SchedulerConfig:
         num_scheduler_steps: decode steps one plan runs on the device (sampling each token
             there) when no request waits and at most `MULTI_STEP_MAX_SEQS` run (`buckets.py`).
         stepwise_masks: such plans give a constrained row each step's own mask (the runner's
-            mailbox, `jaxllm.handoff`): any row takes them, up to its last token; else only
-            rows that may speculate (`jaxllm.structured`).
+            mailbox, `jaxllm.handoff`), so constrained rows take them; else plans of one step.
     """
 
     num_blocks: int

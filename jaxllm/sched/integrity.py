@@ -29,11 +29,7 @@ def check_integrity(scheduler: Scheduler) -> None:
     size = cfg.block_size
     for seq in scheduler.running:
         require(seq.status is SequenceStatus.RUNNING, f"{seq} in the running list")
-        require(
-            not seq.kv_ahead or seq.num_computed_tokens == seq.num_tokens - 1,
-            f"{seq}: K/V ahead of its computed tokens, not at its last token",
-        )
-        num_full = (seq.num_computed_tokens + seq.kv_ahead) // size  # blocks written in full
+        num_full = seq.num_computed_tokens // size  # blocks written in full
         # NOTE: a planned step may compute the token the step before is still sampling.
         longest = max(seq.num_tokens, seq.num_computed_tokens)
         require(

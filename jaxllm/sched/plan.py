@@ -70,11 +70,6 @@ class StepPlan:
         return self.bucket.kind == "prefill"
 
     @property
-    def speculative(self) -> bool:
-        """Several decode steps with constrained rows (`jaxllm.structured`)."""
-        return self.bucket.num_steps > 1 and any(seq.grammar is not None for seq in self.seqs)
-
-    @property
     def num_seqs(self) -> int:
         return len(self.seqs)
 
@@ -127,8 +122,6 @@ def plan_step(
     if kind == "decode":
         token_ids = [seq.token_at(start) for seq, start in zip(seqs, starts, strict=True)]
         rows = _fill_decode(inputs, tables, starts_array, block_size)  # [n]
-        kv_ahead = np.fromiter((seq.kv_ahead for seq in seqs), bool, len(seqs))
-        inputs.slot_mapping[rows[kv_ahead]] = -1  # in the cache already: not written again
         ends = starts_array + 1  # a step's layout: one token each
     else:
         token_ids = np.concatenate(

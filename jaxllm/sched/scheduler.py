@@ -29,7 +29,7 @@ from jaxllm.sched.integrity import check_integrity
 from jaxllm.sched.plan import StepPlan, keep_prompt_logprobs, plan_step
 from jaxllm.sched.processors import ProcessorSlots, SequenceProcessors, changes_logits
 from jaxllm.sched.sequence import FinishReason, Sequence, SequenceStatus, StopStringCheck
-from jaxllm.structured import accept_tokens, mask_commutes
+from jaxllm.structured import accept_tokens
 
 
 class Scheduler:
@@ -156,22 +156,6 @@ class Scheduler:
             return None
         return self._plan(*chunks)
 
-    def plan_ahead(self) -> StepPlan | None:
-        """The next plan of several decode steps, made while the device runs one whose tokens
-        are not checked yet, as if it keeps them all (`structured.ahead_holds`); None, changing
-        nothing, unless every running sequence takes it short of its last token."""
-        if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
-            return None  # a prefill comes first
-        counts = self._multi_step_counts(short_of_last=True)
-        return None if counts is None else self._plan("decode", list(self.running), counts)
-
-    def unplan(self, plan: StepPlan) -> None:
-        """Undoes a plan of `plan_ahead` that is not run: its sequences go back to its start,
-        the blocks it added are freed."""
-        for seq, start in zip(plan.seqs, plan.start_positions, strict=True):
-            seq.num_computed_tokens = start
-            self.block_pool.truncate(seq.block_table, start, seq.params.extra_args)
-
     def _plan(self, kind: str, seqs: list[Sequence], counts: list[int]) -> StepPlan:
         """The plan of `counts[i]` new tokens of each of `seqs`, recorded as computed."""
         starts = [seq.num_computed_tokens for seq in seqs]
@@ -182,7 +166,6 @@ class Scheduler:
         plan = plan_step(*shape, all_rows, new_slots, outline=self.outlines)
         for seq, start, count, samples in zip(seqs, starts, counts, plan.samples, strict=True):
             end = seq.num_computed_tokens = start + count
-            seq.kv_ahead = False
             self._cache_full_blocks(seq, start, min(end, seq.num_tokens))
             if samples and end + 1 - seq.num_prompt_tokens >= seq.max_tokens:
                 # NOTE: its last token planned, its blocks go back (this step writes them first)
@@ -208,13 +191,14 @@ class Scheduler:
                 `plan.num_new_tokens[i]`); padding rows and rows that do not sample are ignored.
             logprobs: [S, 2 + 2 * max_logprobs] the sampled tokens' logprobs of a plan with
                 `plan.logprobs` (`sampler.token_logprobs`), kept by the sequences that asked.
-            accepted: `accept_tokens` of these tokens, if they were checked; None: here.
+            accepted: the tokens each constrained row's grammar read (`accept_tokens`, or
+                `handoff.StepwiseMasks.kept` for a plan of several steps); None: read here.
 
         Mutates: appends each sampled token to its sequence (also to one preempted since),
         caches the block it completes if a later planned step computes it, and finishes the
         sequences that stop (`Sequence.finish_reason_at`); those finished since the plan are
-        skipped. A constrained row keeps the tokens its grammar accepts; after a refused one,
-        the next plan computes the last kept again.
+        skipped. A constrained row keeps the tokens its grammar read: where it read fewer, its
+        end (`finish_reason_at`) came at the last.
         """
         tokens, counts = plan.row_tokens(sampled_token_ids)
         finished: list[Sequence] = []
@@ -222,13 +206,9 @@ class Scheduler:
             keep_prompt_logprobs(plan, logprobs)
         rows = zip(plan.seqs, plan.samples, tokens, counts, strict=True)
         if accepted is None:
-            accepted = accept_tokens(plan, tokens, counts) if self.num_constrained else {}
+            accepted = accept_tokens(plan, tokens) if self.num_constrained else {}
         for index, (seq, samples, row, count) in enumerate(rows):
             kept = accepted.get(index, count)
-            if kept < count and not seq.is_finished:
-                end = seq.num_computed_tokens = seq.num_tokens + kept - 1
-                seq.kv_ahead = True  # the step that took its last kept token as input wrote it
-                self.block_pool.truncate(seq.block_table, end + 1, seq.params.extra_args)
             for num_read, token in enumerate(row[:kept] if samples and not seq.is_finished else []):
                 position = seq.num_tokens
                 seq.append_token(token, None if logprobs is None else logprobs[index])
@@ -340,27 +320,26 @@ class Scheduler:
                 self._preempt(running.pop())
         return ("decode", list(running), [1] * len(running)) if running else None
 
-    def _multi_step_counts(self, short_of_last: bool = False) -> list[int] | None:
+    def _multi_step_counts(self) -> list[int] | None:
         """The tokens each running sequence computes in a plan of `ladder.num_steps` decode
         steps (as many as it has left), their blocks allocated; None, changing nothing, when
         something waits, more than `ladder.multi_step_max_seqs` run, one wants logprobs or
-        logits processing (`changes_logits`), or the blocks are not free. A constrained one must
-        speculate (`jaxllm.structured`), but with `stepwise_masks`; it (any, `short_of_last`)
-        must stop short of its last token, so that its blocks outlive a roll-back."""
+        logits processing (`changes_logits`), one is constrained without `stepwise_masks`, or
+        the blocks are not free."""
         running, steps, pool = self.running, self.ladder.num_steps, self.block_pool
         if self.waiting or not 0 < len(running) <= self.ladder.multi_step_max_seqs:
             return None
-        if any(seq.params.logprobs is not None or changes_logits(seq) for seq in running):
+        if any(
+            seq.params.logprobs is not None
+            or changes_logits(seq)
+            or (seq.grammar is not None and not self.config.stepwise_masks)
+            for seq in running
+        ):
             return None
         ends, needed = [], 0
         for seq in running:  # NOTE: position num_prompt + max_tokens - 1 is the last one sampled
             last = seq.num_prompt_tokens + seq.max_tokens - 1
             end = min(seq.num_computed_tokens + steps, last)
-            grammar = None if self.config.stepwise_masks else seq.grammar
-            if grammar and not (end < last and grammar.speculates and mask_commutes(seq.params)):
-                return None
-            if short_of_last and end == last:
-                return None
             ends.append(end)
             needed += max(0, -(-end // pool.block_size) - len(seq.block_table))
         if needed > pool.num_free_blocks:

@@ -41,10 +41,6 @@ class Sequence:
         num_computed_tokens: tokens whose K/V is in the cache, or is computed by a step already
             planned (prefix hits included). While a planned step samples the next token, it
             equals `num_tokens`: the one token on its way back from the device.
-        kv_ahead: the cache holds the K/V of position `num_computed_tokens` already (a
-            speculative plan computed it, then a token before it was refused): the next step
-            computes that position's logits again without writing it, so no K/V, in the prefix
-            cache maybe, is written twice.
         num_cached_tokens: tokens served from the prefix cache when first scheduled; None
             before that.
         block_table: the ids of the KV blocks holding the sequence, in order.
@@ -65,11 +61,10 @@ class Sequence:
     """
 
     __slots__ = (
-        "_tokens", "block_hashes", "block_table", "finish_reason", "grammar", "kv_ahead",
-        "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
-        "num_prompt_tokens", "num_tokens", "output_logprobs", "output_token_ids", "params",
-        "parent", "processors", "prompt_logprobs", "seq_id", "status", "stop_strings",
-        "stop_token_ids",
+        "_tokens", "block_hashes", "block_table", "finish_reason", "grammar", "max_tokens",
+        "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
+        "num_tokens", "output_logprobs", "output_token_ids", "params", "parent", "processors",
+        "prompt_logprobs", "seq_id", "status", "stop_strings", "stop_token_ids",
     )  # fmt: skip
 
     def __init__(
@@ -102,7 +97,6 @@ class Sequence:
         self.prompt_logprobs: list[np.ndarray] = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.kv_ahead = False
         self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []

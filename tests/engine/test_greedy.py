@@ -176,14 +176,15 @@ def test_the_host_reads_sampled_tokens_from_host_memory(make_llm, greedy_prompts
     """Each step's program writes the tokens the host reads to host memory, one step a plan
     and several alike (the devices keep their own copy for the next step)."""
     llm = make_llm(num_scheduler_steps=5)
-    engine, seen = llm.engine, set()
-    check = engine._check
+    runner, seen = llm.engine.runner, set()
+    execute = runner.execute
 
-    def spying(plan, result, seconds):
+    def spying(plan, *args):
+        result = execute(plan, *args)  # its tokens: what the engine reads
         seen.add((plan.bucket.num_steps, result.tokens.sharding.memory_kind))
-        return check(plan, result, seconds)
+        return result
 
-    monkeypatch.setattr(engine, "_check", spying)
+    monkeypatch.setattr(runner, "execute", spying)
     llm.generate(greedy_prompts[:2], greedy_params(), use_tqdm=False)
     assert seen == {(1, "pinned_host"), (5, "pinned_host")}
 

@@ -33,8 +33,7 @@ def llms(request, text_model):
 
 
 def assert_as_one_step(one_step, several, params: list[SamplingParams]) -> None:
-    """`several` samples PROMPTS under `params` as `one_step` does, in plans of several steps,
-    nothing speculated."""
+    """`several` samples PROMPTS under `params` as `one_step` does, in plans of several steps."""
     decode = several.engine.stats.decode
     passes, plans = decode.forward_passes, decode.steps
     expected = one_step.generate(PROMPTS, params, use_tqdm=False)
@@ -43,7 +42,6 @@ def assert_as_one_step(one_step, several, params: list[SamplingParams]) -> None:
         assert output.outputs[0].token_ids == alone.outputs[0].token_ids
         assert output.outputs[0].finish_reason == alone.outputs[0].finish_reason
     assert decode.forward_passes - passes > decode.steps - plans
-    assert several.engine.grammars.speculation.tokens == 0
     assert_idle(several)
 
 
@@ -74,8 +72,8 @@ def test_a_free_request_beside_constrained_ones_samples_as_alone(llms):
 
 
 def test_rows_with_top_k_and_top_p_take_plans_of_several_steps(llms):
-    """Such rows cannot speculate (their mask changes their draw), but a mailbox masks each step
-    as its own: Qwen3's sampling defaults (top-k 20, top-p 0.95), as one step a plan."""
+    """A mailbox masks each step as its own, whatever filters the draw: Qwen3's sampling
+    defaults (top-k 20, top-p 0.95), as one step a plan."""
     one_step, several = llms
     qwen3 = dict(temperature=0.6, top_k=20, top_p=0.95, max_tokens=40)
     constraint = CONSTRAINTS[1]

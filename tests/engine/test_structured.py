@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import _thread
 import concurrent.futures
-import dataclasses
 import functools
 import importlib
 import json
@@ -497,260 +496,70 @@ def test_a_failure_while_masks_fill_waits_for_the_forward_pass(text_llm, monkeyp
 
 
 @pytest.fixture(scope="module")
-def speculating_llm(make_text_llm):
-    """`text_llm` with 4 decode steps a plan: constrained rows speculate past their first."""
+def multi_step_llm(make_text_llm):
+    """`text_llm` with 4 decode steps a plan: without a mailbox (a CPU's default), constrained
+    rows take plans of one step."""
     return make_text_llm(max_model_len=256, num_scheduler_steps=4)
 
 
-# A free-text field: random tokens fit it often, so speculation is both accepted and refused.
+# A free-text field: random tokens fit it often.
 TEXT = StructuredOutputsParams(
     json={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
     disable_any_whitespace=True,
 )
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.6])
-@pytest.mark.parametrize(
-    "constraint",
-    [
-        TEXT,
-        StructuredOutputsParams(regex="[a-z ]{0,40}x"),
-        StructuredOutputsParams(choice=["ab c", "d"]),
-        # NOTE: the first mask (tokens from "a") is narrower than the later ones.
-        StructuredOutputsParams(regex="a[a-z]{0,40}"),
-    ],
-    ids=["json", "regex", "choice", "widening"],
-)
-def test_speculative_plans_sample_what_one_step_plans_do(
-    text_llm, speculating_llm, constraint, temperature
-):
-    """Constrained rows of several decode steps a plan: every token under the first one's
-    mask, the later ones checked on the host after; refused ones are sampled again under their
-    own mask. The same seeds give the same tokens as one step a plan, stops included."""
-    params = [
-        SamplingParams(
-            temperature=temperature, max_tokens=60, seed=seed, structured_outputs=constraint
-        )
-        for seed in range(4)
-    ]
-    before = dataclasses.replace(speculating_llm.engine.grammars.speculation)
-    one_step = text_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
-    speculated = speculating_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
-    for alone, several in zip(one_step, speculated, strict=True):
-        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert several.outputs[0].finish_reason == alone.outputs[0].finish_reason
-    assert speculating_llm.engine.grammars.speculation.tokens > before.tokens
-    assert_idle(speculating_llm)
+def decode_plans(llm) -> tuple[int, int]:
+    """The decode plans the engine ran so far, and their forward passes."""
+    return llm.engine.stats.decode.steps, llm.engine.stats.decode.forward_passes
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.6])
-def test_unmasked_speculative_tokens_are_what_one_step_plans_sample(
-    text_llm, speculating_llm, monkeypatch, temperature
-):
-    """Rows kept in the unmasked mode (a trained model's rows settle there) draw every token of
-    a speculative plan without a mask, the first included, and keep those their masks allow:
-    the same tokens as one step a plan; a first token refused, the row keeps none."""
-    from jaxllm.structured import Grammars, SequenceGrammar
-
-    settle, make = SequenceGrammar.settle, Grammars.sequence_grammar
-    refused_first, kept_later = [], []
-
-    def unmasked_from_the_start(self, compiled):
-        grammar = make(self, compiled)
-        grammar.unmasked = True
-        return grammar
-
-    def unmasked(self, kept, tried):
-        refused_first.append(kept == 0)
-        kept_later.append(kept > 1)
-        settle(self, kept, tried)
-        self.unmasked = True
-
-    monkeypatch.setattr(SequenceGrammar, "settle", unmasked)
-    monkeypatch.setattr(Grammars, "sequence_grammar", unmasked_from_the_start)
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=60, seed=seed, structured_outputs=TEXT)
-        for seed in range(4)
-    ]
-    one_step = text_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
-    speculated = speculating_llm.generate(["Answer:", "Q", "Go on", "x"], params, use_tqdm=False)
-    for alone, several in zip(one_step, speculated, strict=True):
-        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert several.outputs[0].finish_reason == alone.outputs[0].finish_reason
-    assert any(refused_first) and any(kept_later)
-    assert_idle(speculating_llm)
-
-
-@pytest.mark.parametrize(
-    ("regex", "words", "kept"),
-    [
-        ("[a-z]{0,40}", ["the", "about", "and"], 3),  # later masks narrow the first: kept
-        ("a[a-z]{0,40}", ["a", "about", "and"], 1),  # the second allows "the", the first not
-        ("[a-z]{0,40}", ["the", "ABOUT", "and"], 1),  # the second token is not allowed
-    ],
-)
-def test_a_later_token_is_kept_where_its_mask_allows_it_and_no_more(text_llm, regex, words, kept):
-    """A speculative row's tokens were all sampled under its first mask: a later one is what a
-    one-step plan samples when its own mask allows it and allows nothing the first did not."""
-    from types import SimpleNamespace
-
-    from jaxllm.structured import accept_tokens
-
-    grammars = text_llm.engine.grammars
-    grammar = grammars.sequence_grammar(grammars.compile(StructuredOutputsParams(regex=regex)))
-    grammars.wait([grammar])
-    assert grammar.ready
-    seq = SimpleNamespace(grammar=grammar, is_finished=False)
-    bucket = SimpleNamespace(num_steps=3, num_sampled=1)
-    plan = SimpleNamespace(seqs=[seq], samples=[True], bucket=bucket, speculative=True)
-    grammars.bitmask(plan)  # the first step's mask
-    ids = [text_llm.tokenizer.encode(word) for word in words]
-    assert all(len(token) == 1 for token in ids)  # one token each
-    assert accept_tokens(plan, [[token for [token] in ids]], [3]) == {0: kept}
-
-
-def test_speculation_is_accepted_and_refused_and_backs_off(speculating_llm):
-    params = [
-        SamplingParams(temperature=0.6, max_tokens=120, seed=seed, structured_outputs=TEXT)
-        for seed in range(4)
-    ]
-    speculation = speculating_llm.engine.grammars.speculation
-    before = dataclasses.replace(speculation)
-    outputs = speculating_llm.generate(["Answer:"] * 4, params, use_tqdm=False)
-    tokens, accepted = speculation.tokens - before.tokens, speculation.accepted - before.accepted
-    assert 0 < accepted < tokens
-    assert speculation.seconds > before.seconds
-    # NOTE: 3 tokens past the first in each speculative plan; one-step plans in between.
-    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-    assert tokens < 3 * generated
-    assert_idle(speculating_llm)
-
-
-def test_a_plan_made_ahead_of_a_speculative_ones_check_samples_what_one_step_plans_do(
-    text_llm, speculating_llm, monkeypatch
-):
-    """After a speculative plan the next is planned while the device runs it, dispatched once
-    its tokens are checked (all kept), undone where one was refused: the tokens of one step a
-    plan either way."""
-    from jaxllm.sched import Scheduler
-
-    undone = []
-    unplan = Scheduler.unplan
-    monkeypatch.setattr(Scheduler, "unplan", lambda self, plan: undone.append(unplan(self, plan)))
-    speculation = speculating_llm.engine.grammars.speculation
-    before = speculation.plans_ahead
-    params = SamplingParams(temperature=0.6, max_tokens=120, seed=1, structured_outputs=TEXT)
-    [several] = speculating_llm.generate(["Answer:"], params, use_tqdm=False)
-    [alone] = text_llm.generate(["Answer:"], params, use_tqdm=False)
-    assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert speculation.plans_ahead > before and undone
-    assert_idle(speculating_llm)
-
-
-def test_filtered_constrained_rows_take_one_step_plans(text_llm, speculating_llm):
-    """Top-p keeps tokens by the masked logits: such a row does not speculate, and samples as
-    at one step a plan."""
-    params = SamplingParams(
-        temperature=0.8, top_p=0.9, max_tokens=40, seed=3, structured_outputs=TEXT
-    )
-    speculation = speculating_llm.engine.grammars.speculation
-    before = dataclasses.replace(speculation)
-    [several] = speculating_llm.generate("Answer:", params, use_tqdm=False)
+def test_without_a_mailbox_constrained_rows_take_one_step_plans(text_llm, multi_step_llm):
+    """They sample as at one step a plan, where free rows would take plans of four."""
+    params = SamplingParams(temperature=0.8, max_tokens=40, seed=3, structured_outputs=TEXT)
+    assert multi_step_llm.engine.runner.mailbox is None
+    steps, passes = decode_plans(multi_step_llm)
+    [several] = multi_step_llm.generate("Answer:", params, use_tqdm=False)
     [alone] = text_llm.generate("Answer:", params, use_tqdm=False)
     assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert speculation == before
+    after = decode_plans(multi_step_llm)
+    assert after[0] > steps and after[1] - passes == after[0] - steps
+    free = SamplingParams(temperature=0.8, max_tokens=40, seed=3, ignore_eos=True)
+    multi_step_llm.generate("Answer:", free, use_tqdm=False)
+    end = decode_plans(multi_step_llm)
+    assert end[1] - after[1] > end[0] - after[0]  # the free row's plans of several steps
 
 
-def test_free_plans_after_speculative_ones_are_unmasked(text_llm, speculating_llm):
+def test_free_plans_after_constrained_ones_are_unmasked(text_llm, multi_step_llm):
     """No mask outlives its plan: free rows' multi-step plans after constrained ones (and free
     rows beside them) sample from every token, as at one step a plan."""
     digits = StructuredOutputsParams(regex="[0-9]{100}")  # narrow masks to the end
     constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=digits)
     free = SamplingParams(temperature=1.0, max_tokens=30, seed=5, ignore_eos=True)
-    speculating_llm.generate(["Answer:"] * 2, constrained, use_tqdm=False)
+    multi_step_llm.generate(["Answer:"] * 2, constrained, use_tqdm=False)
     prompts, params = ["Answer:", "Q"], [constrained, free]
     for several, alone in zip(
-        speculating_llm.generate(prompts, params, use_tqdm=False)
-        + speculating_llm.generate(["Q"], free, use_tqdm=False),
+        multi_step_llm.generate(prompts, params, use_tqdm=False)
+        + multi_step_llm.generate(["Q"], free, use_tqdm=False),
         text_llm.generate(prompts, params, use_tqdm=False)
         + text_llm.generate(["Q"], free, use_tqdm=False),
         strict=True,
     ):
         assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert_idle(speculating_llm)
+    assert_idle(multi_step_llm)
 
 
-def ready_grammar(speculation):
-    """A sequence's grammar of a compiled matcher that does nothing (for `settle`)."""
-    from jaxllm.structured import SequenceGrammar
-
-    class Library:
-        def matcher(self, compiled, family):
-            return object()
-
-    done = concurrent.futures.Future()
-    done.set_result((Library(), None))
-    grammar = SequenceGrammar(done, 0, speculation)
-    assert grammar.ready and grammar.speculates and not grammar.unmasked
-    return grammar
-
-
-def test_a_row_speculates_while_it_pays_and_waits_longer_after_each_failure():
-    """A plan of 8 steps pays when it keeps about half its tokens; a row whose plans keep
-    fewer tries the other mode, and when that fails at once too, waits 16 one-step plans, then
-    32, ... up to 256, before it tries again under the first mask; a row that keeps all
-    speculates on."""
-    from jaxllm.structured import SPECULATION_WAIT, Speculation
-
-    speculation = Speculation()
-    grammar = ready_grammar(speculation)
-    for _ in range(3):
-        grammar.settle(8, 8)
-        assert grammar.speculates and not grammar.unmasked
-    waits, modes = [], []
-    for _ in range(16):
-        modes.append(grammar.unmasked)
-        grammar.settle(1, 8)  # the first token only
-        waits.append(grammar._wait)
-        while not grammar.speculates:  # one-step plans
-            grammar._wait -= 1
-    first, most = SPECULATION_WAIT
-    tolerated = waits.index(first)  # failures after a run of successes, the last unmasked
-    assert set(waits[:tolerated]) == {0} and tolerated <= 4 and modes[tolerated]
-    after = waits[tolerated:]  # then failures in pairs: under the first mask, unmasked
-    assert modes[tolerated + 1 :: 2] == [False] * (len(after) // 2)
-    assert after[1::2] == [0] * (len(after) // 2)
-    assert after[::2] == [min(first * 2**i, most) for i in range(len(after[::2]))]
-    assert speculation == Speculation(tokens=19 * 7, accepted=3 * 7)
-
-
-def test_a_row_whose_first_mask_fails_speculates_on_unmasked_while_that_pays():
-    """The first mask failing at once, the row draws unmasked tokens; while they pay it goes on,
-    and when they stop paying it tries the first mask again, then waits."""
-    from jaxllm.structured import SPECULATION_WAIT, Speculation
-
-    grammar = ready_grammar(Speculation())
-    grammar.settle(2, 8)
-    assert grammar.unmasked and grammar.speculates
-    for _ in range(4):
-        grammar.settle(8, 8)
-        assert grammar.unmasked and grammar.speculates
-    while grammar.unmasked:
-        grammar.settle(0, 8)  # even the first token refused
-    assert grammar.speculates  # under the first mask
-    grammar.settle(1, 8)
-    assert not grammar.speculates and grammar._wait == SPECULATION_WAIT[0]
-
-
-def test_speculative_plans_at_tp2_sample_what_one_step_plans_do(text_llm, make_text_llm):
+def test_constrained_rows_at_tp2_sample_what_one_step_plans_do(text_llm, make_text_llm):
+    """Tensor parallelism has no mailbox: constrained rows take plans of one step there."""
     params = [
         SamplingParams(temperature=0.6, max_tokens=48, seed=seed, structured_outputs=TEXT)
         for seed in range(4)
     ]
-    speculating = make_text_llm(tensor_parallel_size=2, num_scheduler_steps=4)
-    one_step, at_tp2 = (llm.generate(["Answer:"] * 4, params, use_tqdm=False)
-                        for llm in (text_llm, speculating))  # fmt: skip
-    for alone, several in zip(one_step, at_tp2, strict=True):
-        assert several.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert speculating.engine.grammars.speculation.accepted > 0
-    assert_idle(speculating)
+    at_tp2 = make_text_llm(tensor_parallel_size=2, num_scheduler_steps=4)
+    one_step, several = (llm.generate(["Answer:"] * 4, params, use_tqdm=False)
+                         for llm in (text_llm, at_tp2))  # fmt: skip
+    for alone, output in zip(one_step, several, strict=True):
+        assert output.outputs[0].token_ids == alone.outputs[0].token_ids
+    steps, passes = decode_plans(at_tp2)
+    assert at_tp2.engine.runner.mailbox is None and steps == passes > 0
+    assert_idle(at_tp2)

@@ -15,7 +15,6 @@ from jaxllm.cache import hash_block
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sched import SequenceStatus
 from jaxllm.sched.processors import SequenceProcessors
-from jaxllm.structured import ahead_holds
 
 
 def refs(scheduler, count: int) -> list[int]:
@@ -407,49 +406,6 @@ def test_a_grammar_compiled_between_two_looks_does_not_fail_the_step():
     assert plan is not None and plan.seqs == [seq]
 
 
-def refused_speculation(monkeypatch, kept: int):
-    """A scheduler whose one sequence's speculative plan at position 3 (the last of block 0,
-    which enters the prefix cache then) kept `kept` of its 4 tokens."""
-    import numpy as np
-
-    from jaxllm.sched import scheduler as scheduler_module
-
-    scheduler = make_scheduler(num_scheduler_steps=4)  # blocks of 4 tokens
-    seq = make_seq(scheduler, 3, max_tokens=12)
-    scheduler.update(scheduler.schedule(), np.array([7]))  # the prompt; position 3 is next
-    speculative = scheduler.schedule()
-    assert speculative.start_positions == [3] and speculative.bucket.num_steps == 4
-    assert scheduler.block_pool.block_hash(seq.block_table[0]) is not None
-    monkeypatch.setattr(scheduler_module, "accept_tokens", lambda *_: {0: kept})
-    scheduler.num_constrained = 1  # as if the row had a grammar
-    scheduler.update(speculative, np.full((4, 1), 9))
-    scheduler.num_constrained = 0
-    scheduler.check_integrity()  # block 0, cached, is not written again
-    return scheduler, seq
-
-
-@pytest.mark.parametrize("kept", [0, 2])
-def test_after_refused_speculative_tokens_the_kept_kv_is_not_written_again(monkeypatch, kept):
-    """The next plan computes the last kept position's logits again without writing its K/V,
-    which the cache holds (in a block of the prefix cache, with `kept` 0)."""
-    scheduler, _ = refused_speculation(monkeypatch, kept)
-    again = scheduler.schedule()
-    assert again.start_positions == [3 + kept]
-    assert again.inputs.slot_mapping[0] == again.step_slots[0, 0] == -1
-    assert (again.step_slots[1:, 0] >= 0).all()  # the positions after it: new tokens
-
-
-def test_a_sequence_preempted_after_refused_tokens_writes_its_kv_again(monkeypatch):
-    """Preempted, it comes back with block 0 from the prefix cache and position 4 to compute
-    in a new block: the plan that admits it writes it."""
-    scheduler, seq = refused_speculation(monkeypatch, 1)
-    scheduler.running.remove(seq)
-    scheduler._preempt(seq)
-    plan = scheduler.schedule()
-    assert plan.start_positions == [4] and seq.block_table[0] == 0
-    assert plan.inputs.slot_mapping[plan.inputs.sample_indices[0]] == seq.block_table[1] * 4
-
-
 def test_a_request_that_cannot_hit_is_no_query():
     """As vLLM counts them: with prefix caching off, or prompt logprobs (computed whole),
     nothing is looked up, and the hit rate counts only lookups."""
@@ -464,54 +420,47 @@ def test_a_request_that_cannot_hit_is_no_query():
     assert scheduler.stats().num_queried_tokens == 9
 
 
-def in_flight_of_four_steps(max_tokens: int):
-    """A scheduler whose one sequence (a prompt of 3 tokens) has a plan of 4 decode steps in
-    flight (positions 3 .. 6), its tokens not applied."""
-    scheduler = make_scheduler(num_scheduler_steps=4)  # blocks of 4 tokens
-    seq = make_seq(scheduler, 3, max_tokens=max_tokens)
-    scheduler.update(scheduler.schedule(), np.array([7]))
-    in_flight = scheduler.schedule()
-    assert in_flight.start_positions == [3] and in_flight.bucket.num_steps == 4
-    return scheduler, seq, in_flight
+class Grammar:
+    """A compiled grammar that goes on (`ended`: that admits nothing more)."""
+
+    def __init__(self, ended: bool = False) -> None:
+        self.ready, self.is_terminated, self.error = True, ended, None
 
 
-def test_a_plan_ahead_is_the_plan_made_after_the_tokens_and_is_undone_whole():
-    """Planned before the plan in flight is applied, as if it keeps its tokens: the positions,
-    slots and blocks of the plan made once they are applied. Undone, the blocks it took are
-    free again and the sequence is where the plan in flight leaves it."""
-    scheduler, seq, in_flight = in_flight_of_four_steps(max_tokens=12)
-    table, free = list(seq.block_table), scheduler.block_pool.num_free_blocks
-    ahead = scheduler.plan_ahead()
-    assert ahead.start_positions == [7] and ahead.num_new_tokens == [4]
-    assert len(seq.block_table) == len(table) + 1  # positions 8 .. 10: a block of its own
-    scheduler.unplan(ahead)
-    assert seq.block_table == table and scheduler.block_pool.num_free_blocks == free
-    assert seq.num_computed_tokens == 7
+def constrained_decode(stepwise_masks: bool):
+    """A scheduler of plans of 4 decode steps whose one sequence (a prompt of 3 tokens, 12 to
+    generate) has a grammar, its prompt applied; and the sequence."""
+    scheduler = make_scheduler(num_scheduler_steps=4, stepwise_masks=stepwise_masks)
+    seq = scheduler.new_sequence(
+        list(range(100, 103)), SamplingParams(max_tokens=12, ignore_eos=True), grammar=Grammar()
+    )
+    scheduler.add(seq)
+    scheduler.update(scheduler.schedule(), np.array([7]), accepted={0: 1})
+    return scheduler, seq
+
+
+def test_constrained_rows_take_plans_of_several_steps_only_with_stepwise_masks():
+    """Without a mailbox (tensor parallelism) a constrained row takes plans of one step; with
+    one, plans of several, up to its last token."""
+    scheduler, _ = constrained_decode(stepwise_masks=False)
+    plan = scheduler.schedule()
+    assert plan.bucket.num_steps == 1 and plan.num_new_tokens == [1]
+    scheduler, seq = constrained_decode(stepwise_masks=True)
+    counts = []
+    while (plan := scheduler.schedule()) is not None:
+        counts.append(plan.num_new_tokens[0])
+        scheduler.update(plan, np.full((plan.bucket.num_steps, 1), 9), accepted={0: counts[-1]})
+    assert counts == [4, 4, 3] and seq.num_tokens == 3 + 12
+
+
+def test_a_constrained_row_keeps_the_tokens_its_grammar_read_and_ends_at_the_last():
+    """A grammar that ended two tokens into a plan of four: the row keeps those two and stops
+    there; its blocks are freed and the scheduler stays consistent."""
+    scheduler, seq = constrained_decode(stepwise_masks=True)
+    plan = scheduler.schedule()
+    seq.grammar = Grammar(ended=True)
+    finished = scheduler.update(plan, np.arange(4)[:, None] + 20, accepted={0: 2})
+    assert finished == [seq] and seq.output_token_ids == [7, 20, 21]
+    assert seq.finish_reason == "stop" and not seq.block_table
     scheduler.check_integrity()
-    scheduler.update(in_flight, np.full((4, 1), 9))
-    after = scheduler.schedule()
-    assert after.start_positions == ahead.start_positions and seq.block_table[:2] == table
-    assert after.num_new_tokens == ahead.num_new_tokens
-    np.testing.assert_array_equal(after.inputs.positions, ahead.inputs.positions)
-    slots = np.array(seq.block_table)[np.arange(7, 11) // 4] * 4 + np.arange(7, 11) % 4
-    np.testing.assert_array_equal(after.step_slots[:, 0], slots)
-    scheduler.check_integrity()
-
-
-def test_a_plan_ahead_needs_every_sequence_short_of_its_last_token_and_nothing_waiting():
-    """Its sequences' blocks must outlive an undo: none reaches its last token (which frees
-    them); a waiting request takes a prefill first. Then nothing is planned, nothing changed."""
-    scheduler, seq, _ = in_flight_of_four_steps(max_tokens=6)  # its last position is 8
-    table = list(seq.block_table)
-    assert scheduler.plan_ahead() is None
-    assert seq.block_table == table and seq.num_computed_tokens == 7
-    scheduler, seq, _ = in_flight_of_four_steps(max_tokens=12)
-    make_seq(scheduler, 2)
-    assert scheduler.plan_ahead() is None and seq.num_computed_tokens == 7
-
-
-def test_a_plan_ahead_holds_only_where_every_token_was_kept():
-    scheduler, _, in_flight = in_flight_of_four_steps(max_tokens=12)
-    ahead = scheduler.plan_ahead()
-    assert ahead_holds(ahead, in_flight, {}) and ahead_holds(ahead, in_flight, {0: 4})
-    assert not ahead_holds(ahead, in_flight, {0: 3})
+    assert scheduler.schedule() is None
