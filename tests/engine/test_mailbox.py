@@ -82,3 +82,26 @@ def test_rows_with_top_k_and_top_p_take_plans_of_several_steps(llms):
         for seed in range(len(PROMPTS))
     ]
     assert_as_one_step(one_step, several, params)
+
+
+def test_stop_strings_and_several_completions_end_as_at_one_step(llms):
+    """A stop string ends a row inside a plan (the plan after it, dispatched before, drops the
+    row's tokens); two completions a request, each under its own grammar: as one step a plan."""
+    one_step, several = llms
+    settings = dict(temperature=1.0, max_tokens=60, n=2, stop=["e"])
+    params = [
+        SamplingParams(**settings, seed=seed, structured_outputs=CONSTRAINTS[1])
+        for seed in range(len(PROMPTS))
+    ]
+
+    def ends(outputs) -> list[tuple]:
+        completions = [completion for output in outputs for completion in output.outputs]
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in completions]
+
+    decode = several.engine.stats.decode
+    passes, plans = decode.forward_passes, decode.steps
+    expected = ends(one_step.generate(PROMPTS, params, use_tqdm=False))
+    assert ends(several.generate(PROMPTS, params, use_tqdm=False)) == expected
+    assert any(stop == "e" for *_, stop in expected)
+    assert decode.forward_passes - passes > decode.steps - plans
+    assert_idle(several)
