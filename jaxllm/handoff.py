@@ -246,10 +246,10 @@ class Mailbox:
         return self._boxes[num_rows]
 
     def open(self, first_mask: np.ndarray | None, num_steps: int, stepwise) -> tuple:
-        """Opens a plan of `num_steps` under the next tag: its first step's masks [S, words] are
-        `first_mask`, and its later steps' `stepwise.after(step, tokens)` (`StepwiseMasks`),
-        from the step before's tokens (None, `overlaps`: `stepwise.first()` gives the first
-        step's too, from the grammars as the plan before leaves them); returns the program's
+        """Opens a plan of `num_steps` under the next tag, whose steps' masks [S, words] come
+        from `stepwise` (`StepwiseMasks`): the first step's from `stepwise.first()` on the
+        mailbox's thread (`overlaps`), else `first_mask`; a later step's from
+        `stepwise.after(step, tokens)` of the step before's tokens. Returns the program's
         mailbox arguments: the plan's base tag, the flag, masks and outbox."""
         base = (self._plans % PLAN_TAGS) * STEP_TAGS
         self._plans += 1
