@@ -7,6 +7,7 @@ dispatches step N before it applies step N - 1's tokens, which the device has me
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 
@@ -223,12 +224,15 @@ class Engine:
 
     def _require_idle(self, what: str) -> None:
         """Raises RuntimeError while a sequence is live; else drops what is left in flight (a
-        step planned before the last sequence stopped: its tokens change nothing) and a plan
-        made ahead and never run, with the prefix cache, which holds its blocks unwritten."""
+        step planned before the last sequence stopped: its tokens change nothing, but its
+        mailbox's thread is let finish with it) and a plan made ahead and never run, with the
+        prefix cache, which holds its blocks unwritten."""
         if self.scheduler.has_unfinished():
             raise RuntimeError(f"{what} while requests are running: finish or abort them first")
         if self._next_plan is not None:
             self.scheduler.reset()
+        if self._in_flight is not None and self._in_flight[1].kept is not None:
+            concurrent.futures.wait([self._in_flight[1].kept])
         self._in_flight = self._next_plan = None
 
     def has_request(self, request_id: int) -> bool:

@@ -102,9 +102,9 @@ def wait_for_mask(tag: jax.Array, after: jax.Array, flag: jax.Array, masks: jax.
 class StepwiseMasks:
     """The masks of a plan of several decode steps whose every step samples under its own
     (`jaxllm.handoff`): every token a live row samples is kept (`after` counts them in `kept`).
-    The first step's come from `Grammars.bitmask`, or from `first` on the mailbox's thread once
-    the plan before's last tokens are consumed; the grammars advance once `ready` is set (the
-    plan before applied: the main thread reads them until then)."""
+    The first step's come from `Grammars.bitmask`, or from `first` on the mailbox's thread: once
+    the plan before's last tokens are consumed, or else once `ready` is set (the plan before
+    applied: the main thread reads the grammars until then); the grammars advance after it."""
 
     def __init__(self, plan, vocab_size: int) -> None:
         self._plan, self._live = plan, None
@@ -248,7 +248,7 @@ class Mailbox:
     def open(self, first_mask: np.ndarray | None, num_steps: int, stepwise) -> tuple:
         """Opens a plan of `num_steps` under the next tag, whose steps' masks [S, words] come
         from `stepwise` (`StepwiseMasks`): the first step's from `stepwise.first()` on the
-        mailbox's thread (`overlaps`), else `first_mask`; a later step's from
+        mailbox's thread (`overlaps`), else `first_mask` (`HostMailbox`); a later step's from
         `stepwise.after(step, tokens)` of the step before's tokens. Returns the program's
         mailbox arguments: the plan's base tag, the flag, masks and outbox."""
         base = (self._plans % PLAN_TAGS) * STEP_TAGS
@@ -302,10 +302,10 @@ class DeviceMailbox(Mailbox):
         """Answers the oldest plan followed: each step's tokens to its `StepwiseMasks`, its
         masks back; then the next plan's first masks, if it is followed already (else the
         next `_run` writes them). Returns the tokens its rows keep."""
-        self._driver.use()
         plan = self._followed.popleft()
         step = 0 if plan.answered else -1
         try:
+            self._driver.use()
             if not plan.answered:
                 self._wait_applied(plan)
                 self._answer_first(plan)
@@ -317,10 +317,10 @@ class DeviceMailbox(Mailbox):
                 mask = plan.stepwise.after(step, tokens)
                 if mask is not None:
                     self._answer(plan, mask, tag + 1)
-            if self._followed and self._followed[0].generation == self._generation:
-                # NOTE: the device runs its first forward pass meanwhile; this plan's tokens
-                # are applied on the main thread once `_run` returns
-                self._answer_first(self._followed[0])
+            later = self._followed[0] if self._followed else None
+            if later is not None and plan.generation == later.generation == self._generation:
+                # NOTE: its first forward pass runs now; this plan is applied once `_run` returns
+                self._answer_first(later)
         except BaseException:
             # NOTE: every later step let through (it samples unmasked), so the program ends
             every = np.full(plan.stepwise.num_rows * self._words, -1, np.int32)

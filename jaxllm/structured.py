@@ -83,6 +83,8 @@ def accept_tokens(plan, tokens: list[list[int]]) -> dict[int, int]:
     (1). A token the mask did not allow (it allowed none) leaves the matcher in an error state,
     which `is_terminated` reports."""
     rows = grammar_rows(plan)
+    if rows and plan.bucket.num_steps > 1:  # NOTE: the mailbox's `StepwiseMasks` reads those
+        raise ValueError("a plan of several steps with constrained rows has no mailbox")
     consume_tokens([(grammar, tokens[row][0]) for row, grammar in rows])
     return dict.fromkeys((row for row, _ in rows), 1)
 

@@ -66,7 +66,7 @@ def annotate() -> None:
         setattr(cls, name, annotated)
 
 
-Span = tuple[int, int, str, str]  # start ns, end ns, "host" or "device", label
+Span = tuple[int, int, str, str]  # start ns, end ns, "host" / "device" / a kernel's module, label
 
 
 def planes(trace_dir: str) -> list:

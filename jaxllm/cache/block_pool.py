@@ -170,13 +170,6 @@ class BlockPool:
         block_table.extend(self._take_fresh(num_new_blocks))
         return True
 
-    def truncate(self, block_table: list[int], num_tokens: int, metadata=None) -> None:
-        """Shrinks `block_table` in place to the blocks of `num_tokens` tokens, freeing the
-        others (`free`): what `append_slots` grew for tokens that were dropped."""
-        keep = -(-num_tokens // self.block_size)
-        self.free(block_table[keep:], metadata)
-        del block_table[keep:]
-
     def free(self, block_table: Iterable[int], metadata: Mapping | None = None) -> None:
         """Drops one reference to each block; unreferenced cached ones go to the policy, unless
         it does not admit them (then they are forgotten, empty). `metadata`: the holder's

@@ -134,7 +134,6 @@ def plan_step(
     step_slots = None
     if num_steps > 1:
         step_slots = _step_slots(tables, starts_array, counts_array, block_size, bucket)
-        step_slots[0] = inputs.slot_mapping
     logprobs = all_rows or any(
         s and seq.params.logprobs is not None for seq, s in zip(seqs, samples, strict=True)
     )

@@ -219,6 +219,8 @@ class Scheduler:
                     self._finish(seq, reason)
                     finished.append(seq)
                     break
+            if kept < count and not seq.is_finished:  # NOTE: a grammar reads fewer at its end
+                raise RuntimeError(f"{seq} kept {kept} of its {count} tokens and goes on")
         return finished
 
     def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:

@@ -31,17 +31,6 @@ def test_fresh_blocks_come_in_order_and_return_to_the_empty_list():
     assert state(pool) == (0, 0, 8) and pool.allocate([], 1) == [0]
 
 
-def test_truncate_frees_the_blocks_past_the_tokens_kept():
-    pool = make_pool()
-    table = pool.allocate([], 1)
-    assert pool.append_slots(table, 13) and table == [0, 1, 2, 3]
-    pool.truncate(table, 6)  # 6 tokens of 4 a block: two blocks
-    assert table == [0, 1] and refs(pool)[:4] == [1, 1, 0, 0]
-    pool.check_integrity([table])
-    pool.truncate(table, 8)
-    assert table == [0, 1]
-
-
 def test_allocate_and_append_slots_refuse_without_mutating():
     pool = make_pool(4)
     table = pool.allocate([], 3)

@@ -85,8 +85,9 @@ def test_rows_with_top_k_and_top_p_take_plans_of_several_steps(llms):
 
 
 def test_stop_strings_and_several_completions_end_as_at_one_step(llms):
-    """A stop string ends a row inside a plan (the plan after it, dispatched before, drops the
-    row's tokens); two completions a request, each under its own grammar: as one step a plan."""
+    """A stop string ends a row inside a plan of several steps (on a GPU, the plan after it,
+    dispatched before, drops the row's tokens); two completions a request, each under its own
+    grammar: as one step a plan."""
     one_step, several = llms
     settings = dict(temperature=1.0, max_tokens=60, n=2, stop=["e"])
     params = [
@@ -105,3 +106,16 @@ def test_stop_strings_and_several_completions_end_as_at_one_step(llms):
     assert any(stop == "e" for *_, stop in expected)
     assert decode.forward_passes - passes > decode.steps - plans
     assert_idle(several)
+
+
+def test_a_plan_dropped_in_flight_leaves_the_next_requests_as_at_one_step(llms):
+    """`reset_prefix_cache` drops the plan a `generate` left in flight (its tokens change
+    nothing); the mailbox is done with it before the next requests' plans start."""
+    one_step, several = llms
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=40, seed=seed, structured_outputs=CONSTRAINTS[0])
+        for seed in range(len(PROMPTS))
+    ]
+    several.generate(PROMPTS, params, use_tqdm=False)
+    assert several.reset_prefix_cache()
+    assert_as_one_step(one_step, several, params)

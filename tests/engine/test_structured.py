@@ -502,7 +502,7 @@ def multi_step_llm(make_text_llm):
     return make_text_llm(max_model_len=256, num_scheduler_steps=4)
 
 
-# A free-text field: random tokens fit it often.
+# A free-text field.
 TEXT = StructuredOutputsParams(
     json={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
     disable_any_whitespace=True,
@@ -531,8 +531,8 @@ def test_without_a_mailbox_constrained_rows_take_one_step_plans(text_llm, multi_
 
 
 def test_free_plans_after_constrained_ones_are_unmasked(text_llm, multi_step_llm):
-    """No mask outlives its plan: free rows' multi-step plans after constrained ones (and free
-    rows beside them) sample from every token, as at one step a plan."""
+    """No mask outlives its plan: free rows beside constrained ones, and free rows' plans of
+    several steps after them, sample from every token, as at one step a plan."""
     digits = StructuredOutputsParams(regex="[0-9]{100}")  # narrow masks to the end
     constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=digits)
     free = SamplingParams(temperature=1.0, max_tokens=30, seed=5, ignore_eos=True)
