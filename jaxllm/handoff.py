@@ -185,14 +185,13 @@ class Driver:
 
 @dataclasses.dataclass
 class _Plan:
-    """A plan opened in a mailbox, until its last step is answered."""
+    """A plan opened in a mailbox, until its last step is answered (`kept`: `HostMailbox`'s)."""
 
     base: int  # its tag
     num_steps: int
     stepwise: StepwiseMasks
     boxes: tuple[jax.Array, jax.Array, jax.Array]  # flag, masks, outbox
     generation: int  # the mailbox's resets before it
-    # NOTE: `HostMailbox`'s (a `DeviceMailbox`'s is its thread's)
     kept: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     answered: bool = False  # its first step's masks written (`DeviceMailbox`)
 
@@ -339,9 +338,10 @@ class DeviceMailbox(Mailbox):
     def _tokens(self, plan: _Plan, tag: int) -> np.ndarray:
         """The tokens `plan`'s step published with `tag`, polled for."""
         outbox, num_rows = plan.boxes[2], plan.stepwise.num_rows
-        deadline, words = time.perf_counter() + HOST_TIMEOUT, np.zeros(outbox.shape[0], np.int32)
+        words, address = np.zeros(outbox.shape[0], np.int32), outbox.unsafe_buffer_pointer()
+        deadline = time.perf_counter() + HOST_TIMEOUT
         while True:
-            self._driver.read(words, outbox.unsafe_buffer_pointer())
+            self._driver.read(words, address)
             if (words[:num_rows] >> TOKEN_BITS == tag).all():
                 return words[:num_rows] & ((1 << TOKEN_BITS) - 1)
             if plan.generation != self._generation:
