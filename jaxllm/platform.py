@@ -58,6 +58,7 @@ class Platform:
         flash_attention: FlashAttention-3 runs here: `flash-attn3-jax` is installed and the GPU
             is a Hopper (compute capability 9.x).
         attention_backend: one of `ATTENTION_BACKENDS`.
+        multiprocessors: the first device's streaming multiprocessors (0 where it says none).
     """
 
     backend: str
@@ -65,6 +66,7 @@ class Platform:
     nvidia: bool = False
     flash_attention: bool = False
     attention_backend: str = "auto"
+    multiprocessors: int = 0
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -90,6 +92,7 @@ class Platform:
             nvidia=nvidia,
             flash_attention=hopper and flash_attention.installed(),
             attention_backend=os.environ.get(ATTENTION_ENV) or "auto",
+            multiprocessors=getattr(device, "core_count", 0) if nvidia else 0,
         )
 
     def replace(self, **changes: Any) -> Platform:
@@ -148,6 +151,7 @@ class Platform:
             interpret=not self.nvidia,
             cublas_from_rows=CUBLAS_FROM_ROWS if self.nvidia else None,
             fused_argmax=self.backend != "cpu",
+            decode_programs=decode_attention.num_programs_for(self.multiprocessors),
             decode_rows=GPU_DECODE_ROWS if self.nvidia else 1,
             fixed_inputs=self.nvidia,
             mailbox="device" if self.nvidia else None,

@@ -6,7 +6,8 @@ sequence's drawn uniformly; block tables `--table-width` blocks wide, by default
 engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
 - jaxllm's Pallas decode kernel (`jaxllm.model.decode_attention`), same layout, over its key
-  splits (`--sweep splits`, the default) or its tiles and Triton launch settings (`launch`);
+  programs per multiprocessor (`--sweep programs`, the default) or its tiles and Triton launch
+  settings (`launch`);
 - with --jax-pallas, JAX's Pallas (Triton) paged attention,
   `jax.experimental.pallas.ops.gpu.paged_attention`, on its layout [kv_heads, pages, page_size,
   dim]. Seen on an H200 (2026-11-30): 1.1-2.1 TB/s, below FA3 at every page size.
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from decode_step import timed  # scripts/decode_step.py
 
+from jaxllm.model.decode_attention import num_programs_for, paged_decode_attention
 from jaxllm.research.flags import at_least
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
@@ -51,7 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     cases = ["256x512", "256x1024", "256x2048", "256x100-2048", "32x1024"]
     parser.add_argument("--cases", nargs="+", default=cases, help="batch x context[-max]")
-    parser.add_argument("--sweep", choices=["splits", "launch"], default="splits")
+    parser.add_argument("--sweep", choices=["programs", "launch"], default="programs")
     parser.add_argument("--repeat", type=at_least(1), default=28, help="calls per timed run")
     parser.add_argument(
         "--table-width", type=at_least(0), default=16,
@@ -60,8 +62,8 @@ def main() -> None:
     parser.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     parser.add_argument(
-        "--splits", type=at_least(1), nargs="+", default=[1, 4, 8],
-        help="key splits beside the default",
+        "--programs-per-sm", type=at_least(1), nargs="+", default=[2, 8],
+        help="jaxllm's kernel with this many programs per multiprocessor, beside the default",
     )  # fmt: skip
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -95,7 +97,7 @@ def main() -> None:
                 .set(values.reshape(batch * per_seq, page, KV_HEADS, DIM))
             )
             tables = jnp.asarray(tables)
-            options = jaxllm_options(args.sweep, args.splits)
+            options = jaxllm_options(args.sweep, args.programs_per_sm)
             candidates = [("fa3", {})] + [("jaxllm", o) for o in options]
             if args.jax_pallas:
                 for block_k in (64, 128):
@@ -131,22 +133,21 @@ def repeated(fn, times: int):
     return jax.jit(run)
 
 
-def jaxllm_options(sweep: str, splits: list[int]) -> list[dict]:
+def jaxllm_options(sweep: str, programs_per_sm: list[int]) -> list[dict]:
+    multiprocessors = getattr(jax.devices()[0], "core_count", 0)
+    default = dict(num_programs=num_programs_for(multiprocessors))
     if sweep == "launch":
         return [
-            dict(rows=rows, num_warps=warps, num_stages=stages)
+            dict(default, rows=rows, num_warps=warps, num_stages=stages)
             for rows in (64, 128)
             for warps in (4, 8)
             for stages in (2, 3)
         ]
-    # {}: the default (num_splits_for: 2 per sequence at G=256, 4 at G=128, 8 at G=64).
-    return [{}] + [dict(num_splits=n) for n in splits]
+    return [default] + [dict(num_programs=multiprocessors * n) for n in programs_per_sm]
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):
     if kind == "jaxllm":
-        from jaxllm.model.decode_attention import paged_decode_attention
-
         fn = functools.partial(paged_decode_attention, **options)
         return fn, (q, k_pool, v_pool, tables, lengths)
     if kind == "fa3":

@@ -49,6 +49,8 @@ class Kernels:
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
         fused_argmax: the sampler draws in one argmax over the noisy logits
             (`sampler.noisy_argmax`).
+        decode_programs: the most programs the Pallas decode kernel shares a step's keys out
+            over (`decode_attention.num_programs_for`).
         decode_rows: a decode step of fewer rows runs its layers on this many, the rest
             padding (`qwen3.padded_decode`).
         fixed_inputs: a one-step plan's forward pass and sampler read their inputs from buffers
@@ -64,6 +66,7 @@ class Kernels:
     interpret: bool = False
     cublas_from_rows: int | None = None
     fused_argmax: bool = True
+    decode_programs: int = 4
     decode_rows: int = 1
     fixed_inputs: bool = False
     mailbox: str | None = None
@@ -105,7 +108,7 @@ def attend(
     if kernel == "pallas":
         return decode_attention.paged_decode_attention(
             q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-            interpret=kernels.interpret,
+            num_programs=kernels.decode_programs, interpret=kernels.interpret,
         )  # fmt: skip
     return reference_attention(q, k_cache, v_cache, inputs)
 
