@@ -35,7 +35,6 @@ ALLOWED = (
     "a string, token ids (a list, tuple or 1-d integer array), {'prompt': str} or "
     "{'prompt_token_ids': token ids} (with the 'prompt' they came from, if known)"
 )
-_TEXT_KEY, _TOKENS_KEY = "prompt", "prompt_token_ids"
 
 
 class ParsedPrompt(NamedTuple):
@@ -59,9 +58,7 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[ParsedPrompt]:
         raise ValueError(
             f"prompts must be ordered: a list or tuple of prompts, not a {type(prompts).__name__}"
         )
-    if isinstance(
-        prompts, str | dict | np.ndarray | bytes | bytearray | memoryview
-    ) or not isinstance(prompts, Sequence | Iterator):
+    if isinstance(prompts, bytes | bytearray | memoryview) or not _is_list(prompts):
         return [_parse_one(prompts, 0)]
     items = list(prompts)
     if items and isinstance(_scalar(items[0]), int | float | np.number | np.bool_):
@@ -83,30 +80,27 @@ def _parse_one(prompt: object, index: int) -> ParsedPrompt:
 
 def _parse_dict(prompt: dict, index: int) -> ParsedPrompt:
     """vLLM's TextPrompt, or TokensPrompt (its ids, and their text where it has one)."""
-    for key in prompt:
-        if key not in (_TEXT_KEY, _TOKENS_KEY):
-            raise ValueError(
-                f"prompt {index}: unknown key {shown(key)} in a prompt dict; allowed: "
-                f"'{_TEXT_KEY}' (a TextPrompt) or '{_TOKENS_KEY}' (a TokensPrompt, which may "
-                f"also hold its '{_TEXT_KEY}')"
-            )
+    if unknown := [key for key in prompt if key not in ("prompt", "prompt_token_ids")]:
+        raise ValueError(
+            f"prompt {index}: unknown key {shown(unknown[0])} in a prompt dict; allowed: "
+            "'prompt' (a TextPrompt) or 'prompt_token_ids' (a TokensPrompt, which may also hold "
+            "its 'prompt')"
+        )
     if not prompt:
         raise ValueError(
-            f"prompt {index}: a prompt dict takes '{_TEXT_KEY}' or '{_TOKENS_KEY}'; got none"
+            f"prompt {index}: a prompt dict takes 'prompt' or 'prompt_token_ids'; got none"
         )
-    text = prompt.get(_TEXT_KEY)
-    if text is not None or _TOKENS_KEY not in prompt:
+    text = prompt.get("prompt")
+    if text is not None or "prompt_token_ids" not in prompt:
         if not isinstance(text, str):
-            raise ValueError(
-                f"prompt {index}: '{_TEXT_KEY}' must be a string, got {_described(text)}"
-            )
+            raise ValueError(f"prompt {index}: 'prompt' must be a string, got {_described(text)}")
         text = _text(text, index)
-    if _TOKENS_KEY not in prompt:
+    if "prompt_token_ids" not in prompt:
         return ParsedPrompt(text, None)
-    tokens = _host_array(prompt[_TOKENS_KEY])
+    tokens = _host_array(prompt["prompt_token_ids"])
     if not isinstance(tokens, list | tuple | np.ndarray):
         raise ValueError(
-            f"prompt {index}: '{_TOKENS_KEY}' must be a list, tuple or 1-d integer array of "
+            f"prompt {index}: 'prompt_token_ids' must be a list, tuple or 1-d integer array of "
             f"token ids, got {_described(tokens)}"
         )
     return ParsedPrompt(text, _token_ids(tokens, index))
@@ -244,7 +238,7 @@ def parse_conversations(messages: object) -> list[list[dict[str, Any]]]:
 
 
 def _is_list(value: object) -> bool:
-    """A list (or another sequence or iterator) of messages or conversations."""
+    """A list (or another sequence or iterator) of prompts, messages or conversations."""
     return isinstance(value, Sequence | Iterator) and not isinstance(value, dict | str)
 
 
