@@ -238,13 +238,10 @@ class SamplingParams:
 
 def _stop_string(value: object) -> str | None:
     """A non-empty str of valid Unicode (a lone surrogate is no text a model can write)."""
-    if not isinstance(value, str) or not value:
-        return None
     try:
-        value.encode("utf-8")
+        return str(value) if isinstance(value, str) and value.encode("utf-8") else None
     except UnicodeEncodeError:
         return None
-    return str(value)
 
 
 def _token_id(value: object) -> int | None:
