@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is"
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "max_tokens": int}
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 MODEL_DEFAULT = "default: the model's generation_config.json, else SamplingParams()'s"
 
@@ -51,8 +52,8 @@ def _main(argv: list[str] | None) -> int:
             help="compile every bucket of the ladder first (default: only the buckets these "
             "prompts need, as they come: far quicker for a few prompts)",
         )
-        for flag, kind in (("--temperature", float), ("--top-p", float), ("--max-tokens", int)):
-            sub.add_argument(flag, type=kind, default=None, help=MODEL_DEFAULT)
+        for field, kind in SAMPLING_FLAGS.items():
+            sub.add_argument(f"--{field.replace('_', '-')}", type=kind, help=MODEL_DEFAULT)
         sub.add_argument(
             "--seed",
             type=int,
@@ -111,8 +112,7 @@ def _main(argv: list[str] | None) -> int:
                 disable_any_whitespace=args.disable_any_whitespace,
             )
             grammars.check(structured)
-        flags = {n: getattr(args, n) for n in ("temperature", "top_p", "max_tokens")}
-        flags = {n: v for n, v in flags.items() if v is not None}
+        flags = {n: v for n in SAMPLING_FLAGS if (v := getattr(args, n)) is not None}
         flags |= dict(ignore_eos=args.ignore_eos, structured_outputs=structured)
         SamplingParams(**flags, seed=args.seed)
     except (ImportError, OSError, ValueError) as error:
