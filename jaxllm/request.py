@@ -65,7 +65,7 @@ class Request:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=[_completion(index, seq, token_texts) for index, seq in enumerate(self.seqs)],
+            outputs=[self._completion(index, token_texts) for index in range(len(self.seqs))],
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=self.metrics,
             prompt_logprobs=self.prompt_logprobs(token_texts),
@@ -74,53 +74,54 @@ class Request:
     def prompt_logprobs(self, token_texts: TokenTexts) -> PromptLogprobs | None:
         """The prompt's logprobs (the first completion computes them), once computed; None
         unless its params ask for them."""
-        return _prompt_logprobs(self.seqs[0], token_texts)
+        seq = self.seqs[0]
+        if seq.params.prompt_logprobs is None:
+            return None
+        tokens = seq.prompt_token_ids[1:]
+        rows = seq.prompt_logprobs[: len(tokens)]
+        logprobs = _logprobs(tokens, rows, seq.params.prompt_logprobs, token_texts, seq.params)
+        return [None, *logprobs]
 
     def logprobs(
-        self, index: int, start: int, stop: int, token_texts: TokenTexts
+        self, index: int, token_texts: TokenTexts, start: int = 0, stop: int | None = None
     ) -> SampleLogprobs | None:
         """Completion `index`'s logprobs of its output tokens `start:stop`, as its output holds
         them; None unless its params ask for them."""
-        return _output_logprobs(self.seqs[index], token_texts, start, stop)
+        seq = self.seqs[index]
+        if seq.params.logprobs is None:
+            return None
+        tokens, rows = seq.output_token_ids[start:stop], seq.output_logprobs[start:stop]
+        return _logprobs(tokens, rows, seq.params.logprobs, token_texts, seq.params)
 
-
-def _prompt_logprobs(seq: Sequence, token_texts: TokenTexts) -> PromptLogprobs | None:
-    wanted = seq.params.prompt_logprobs
-    if wanted is None:
-        return None
-    tokens = seq.prompt_token_ids[1:]
-    rows = seq.prompt_logprobs[: len(tokens)]
-    return [None, *_logprobs(tokens, rows, wanted, token_texts, seq.params.detokenize)]
-
-
-def _completion(index: int, seq: Sequence, token_texts: TokenTexts) -> CompletionOutput:
-    params, tokens, rows = seq.params, seq.output_token_ids, seq.output_logprobs
-    stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
-    if not params.detokenize:
-        text = ""
-    elif stop_strings is not None and stop_strings.text_end is not None:
-        text = stop_strings.text
-    else:  # NOTE: as in vLLM, the stop token that ended it is not in the text unless asked
-        stopped = seq.finish_reason == "stop" and seq.stops_at(tokens[-1])
-        kept = tokens[:-1] if stopped and not params.include_stop_str_in_output else tokens
-        text = decode_tokens(token_texts.tokenizer, kept, params.skip_special_tokens)
-        if text.endswith("\ufffd"):  # NOTE: an incomplete last character is left out, as vLLM's
-            detokenizer = IncrementalDetokenizer(token_texts.tokenizer, params.skip_special_tokens)
-            detokenizer.step(kept)
-            text = detokenizer.text
-    logprobs = _output_logprobs(seq, token_texts)
-    cumulative_logprob = None
-    if logprobs is not None:
-        cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
-    return CompletionOutput(
-        index=index,
-        text=text,
-        token_ids=list(tokens),
-        cumulative_logprob=cumulative_logprob,
-        logprobs=logprobs,
-        finish_reason=seq.finish_reason,
-        stop_reason=_stop_reason(seq, stop_strings, token_texts.tokenizer.eos_token_id),
-    )
+    def _completion(self, index: int, token_texts: TokenTexts) -> CompletionOutput:
+        seq, tokenizer = self.seqs[index], token_texts.tokenizer
+        params, tokens, rows = seq.params, seq.output_token_ids, seq.output_logprobs
+        stop_strings: StopStrings | None = seq.stop_strings  # `Engine.new_request` made it
+        if not params.detokenize:
+            text = ""
+        elif stop_strings is not None and stop_strings.text_end is not None:
+            text = stop_strings.text
+        else:  # NOTE: as in vLLM, the stop token that ended it is not in the text unless asked
+            stopped = seq.finish_reason == "stop" and seq.stops_at(tokens[-1])
+            kept = tokens[:-1] if stopped and not params.include_stop_str_in_output else tokens
+            text = decode_tokens(tokenizer, kept, params.skip_special_tokens)
+            if text.endswith("\ufffd"):  # NOTE: an incomplete last character is left out, as vLLM's
+                detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+                detokenizer.step(kept)
+                text = detokenizer.text
+        logprobs = self.logprobs(index, token_texts)
+        cumulative_logprob = None
+        if logprobs is not None:
+            cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=list(tokens),
+            cumulative_logprob=cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=_stop_reason(seq, stop_strings, tokenizer.eos_token_id),
+        )
 
 
 def _stop_reason(
@@ -139,25 +140,15 @@ def _stop_reason(
     return last if last in seq.stop_token_ids else None
 
 
-def _output_logprobs(
-    seq: Sequence, token_texts: TokenTexts, start: int = 0, stop: int | None = None
-) -> SampleLogprobs | None:
-    """`seq`'s logprobs of its output tokens `start:stop`; None unless its params ask for them."""
-    if seq.params.logprobs is None:
-        return None
-    tokens, rows = seq.output_token_ids[start:stop], seq.output_logprobs[start:stop]
-    return _logprobs(tokens, rows, seq.params.logprobs, token_texts, seq.params.detokenize)
-
-
 def _logprobs(
     tokens: list[int],
     rows: list[np.ndarray],
     wanted: int,
     token_texts: TokenTexts,
-    detokenize: bool,
+    params: SamplingParams,
 ) -> SampleLogprobs:
     """{token id: Logprob} of each token and of the `wanted` most likely ones, from its row
     of the device's logprobs (`sampler.token_logprobs`), built as they are read."""
     table = np.stack(rows) if rows else np.zeros((0, 2), np.float32)
-    texts = token_texts if detokenize else dict.fromkeys  # each token's text None, as vLLM's
+    texts = token_texts if params.detokenize else dict.fromkeys  # each token's text None, as vLLM's
     return SampleLogprobs(list(tokens), table, wanted, texts)

@@ -48,7 +48,7 @@ class RequestStream:
                 detokenizer.text[sent:visible],
                 tokens,
                 i,
-                logprobs=self._request.logprobs(i, start, stop, self._token_texts),
+                logprobs=self._request.logprobs(i, self._token_texts, start, stop),
                 prompt_logprobs=self._prompt_logprobs(i, None),
             )
             deltas.append(delta)
