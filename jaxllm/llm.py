@@ -316,10 +316,9 @@ class LLM:
         parsed = parse_prompts(prompts)
         if caller is not None and len(parsed) != 1:
             raise ValueError(f"{caller}() takes one prompt, got {len(parsed)}")
-        default = self.get_default_sampling_params()
-        params = one_per_prompt(
-            default if sampling_params is None else sampling_params, len(parsed)
-        )
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = one_per_prompt(sampling_params, len(parsed))
         params, seeds_drawn = with_derived_seeds(params, self.config.seed, self._seeds_drawn)
         requests = []
         for index, ((text, tokens), param) in enumerate(zip(parsed, params, strict=True)):
