@@ -137,7 +137,7 @@ class RequestOutput:
     the first completion; `out["text"]` and the like work too (nano-vllm style).
 
     Attributes:
-        prompt: the prompt text, or None when the prompt was given as token ids.
+        prompt: the prompt text; None for token ids given without their text.
         prompt_token_ids: the prompt's token ids.
         outputs: the completions, by index.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
