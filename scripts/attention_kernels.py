@@ -5,9 +5,9 @@ scattered over the pool, for several batch x context cases (a context "LO-HI": e
 sequence's drawn uniformly; block tables `--table-width` blocks wide, by default 16 as in the
 engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
-- jaxllm's Pallas decode kernel (`jaxllm.model.decode_attention`), same layout, over its key
-  programs per multiprocessor (`--sweep programs`, the default) or its tiles and Triton launch
-  settings (`launch`);
+- jaxllm's Pallas decode kernels (`jaxllm.model.decode_attention`), same layout: the split one
+  and the balanced one at several programs per multiprocessor (`--sweep programs`, the
+  default), or the one the batch gets over its tiles and Triton launch settings (`launch`);
 - with --jax-pallas, JAX's Pallas (Triton) paged attention,
   `jax.experimental.pallas.ops.gpu.paged_attention`, on its layout [kv_heads, pages, page_size,
   dim]. Seen on an H200 (2026-11-30): 1.1-2.1 TB/s, below FA3 at every page size.
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from decode_step import timed  # scripts/decode_step.py
 
-from jaxllm.model.decode_attention import num_programs_for, paged_decode_attention
+from jaxllm.model import decode_attention
+from jaxllm.model.decode_attention import num_programs_for
 from jaxllm.research.flags import at_least
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     parser.add_argument(
         "--programs-per-sm", type=at_least(1), nargs="+", default=[2, 8],
-        help="jaxllm's kernel with this many programs per multiprocessor, beside the default",
+        help="the balanced kernel with this many programs per multiprocessor too",
     )  # fmt: skip
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -97,8 +98,7 @@ def main() -> None:
                 .set(values.reshape(batch * per_seq, page, KV_HEADS, DIM))
             )
             tables = jnp.asarray(tables)
-            options = jaxllm_options(args.sweep, args.programs_per_sm)
-            candidates = [("fa3", {})] + [("jaxllm", o) for o in options]
+            candidates = [("fa3", {}), *jaxllm_options(args.sweep, args.programs_per_sm)]
             if args.jax_pallas:
                 for block_k in (64, 128):
                     if block_k >= page:
@@ -133,22 +133,25 @@ def repeated(fn, times: int):
     return jax.jit(run)
 
 
-def jaxllm_options(sweep: str, programs_per_sm: list[int]) -> list[dict]:
+def jaxllm_options(sweep: str, programs_per_sm: list[int]) -> list[tuple[str, dict]]:
     multiprocessors = getattr(jax.devices()[0], "core_count", 0)
     default = dict(num_programs=num_programs_for(multiprocessors))
     if sweep == "launch":
         return [
-            dict(default, rows=rows, num_warps=warps, num_stages=stages)
+            ("paged", dict(default, rows=rows, num_warps=warps, num_stages=stages))
             for rows in (64, 128)
             for warps in (4, 8)
             for stages in (2, 3)
         ]
-    return [default] + [dict(num_programs=multiprocessors * n) for n in programs_per_sm]
+    balanced = [dict(num_programs=multiprocessors * n) for n in programs_per_sm]
+    return [("split", default), ("balanced", default)] + [("balanced", o) for o in balanced]
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):
-    if kind == "jaxllm":
-        fn = functools.partial(paged_decode_attention, **options)
+    if kind in ("paged", "split", "balanced"):
+        fn = jax.jit(
+            functools.partial(getattr(decode_attention, f"{kind}_decode_attention"), **options)
+        )
         return fn, (q, k_pool, v_pool, tables, lengths)
     if kind == "fa3":
         from flash_attn3_jax import flash_mha_with_kvcache

@@ -3,6 +3,8 @@ float32 through Pallas' interpreter on any machine, and compiled (Triton) in bf1
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,13 @@ import pytest
 from support.inputs import relative_error
 
 from jaxllm.model.attention import reference_attention
-from jaxllm.model.decode_attention import num_programs_for, paged_decode_attention
+from jaxllm.model.decode_attention import (
+    balanced_decode_attention,
+    num_programs_for,
+    num_splits_for,
+    paged_decode_attention,
+    split_decode_attention,
+)
 from jaxllm.model.inputs import ModelInputs
 
 
@@ -37,6 +45,29 @@ def decode_case(rng, batch, heads, kv_heads, head_dim, block_size, width, dtype)
 
 
 @pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "splits"),
+    [
+        (16, 8, 128, 32, 1),
+        (16, 8, 128, 32, 3),
+        (8, 4, 64, 16, 2),
+        (4, 1, 64, 64, 1),
+    ],
+    ids=["gqa2", "gqa2-split", "gqa2-small-blocks", "one-kv-head"],
+)
+def test_split_kernel_equals_reference_in_float32(heads, kv_heads, head_dim, block_size, splits):
+    rng = np.random.default_rng(0)
+    q, keys, values, inputs = decode_case(rng, 6, heads, kv_heads, head_dim, block_size, 4, "f4")
+    tables, lengths = inputs.block_tables, inputs.context_lens
+    out = split_decode_attention(
+        q, keys, values, tables, lengths, num_splits=splits, interpret=True
+    )
+    expected = reference_attention(q, keys, values, inputs)
+    real = np.asarray(inputs.context_lens) > 0
+    assert relative_error(np.asarray(out)[real], np.asarray(expected)[real]) < 1e-5
+    assert not np.asarray(out)[~real].any()  # no context: zeros, not NaN
+
+
+@pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "programs"),
     [
         (16, 8, 128, 32, 1),
@@ -49,28 +80,30 @@ def decode_case(rng, batch, heads, kv_heads, head_dim, block_size, width, dtype)
     # program takes at once.
     ids=["gqa2-one-program", "gqa2", "a-tile-a-program", "small-heads", "one-kv-head"],
 )
-def test_kernel_equals_reference_in_float32(heads, kv_heads, head_dim, block_size, programs):
+def test_balanced_kernel_equals_reference_in_float32(
+    heads, kv_heads, head_dim, block_size, programs
+):
     rng = np.random.default_rng(0)
     q, keys, values, inputs = decode_case(rng, 6, heads, kv_heads, head_dim, block_size, 4, "f4")
-    out = paged_decode_attention(
-        q, keys, values, inputs.block_tables, inputs.context_lens,
-        num_programs=programs, interpret=True,
-    )  # fmt: skip
+    tables, lengths = inputs.block_tables, inputs.context_lens
+    out = balanced_decode_attention(
+        q, keys, values, tables, lengths, num_programs=programs, interpret=True
+    )
     expected = reference_attention(q, keys, values, inputs)
     real = np.asarray(inputs.context_lens) > 0
     assert relative_error(np.asarray(out)[real], np.asarray(expected)[real]) < 1e-5
-    assert not np.asarray(out)[~real].any()  # no context: zeros, not NaN
+    assert not np.asarray(out)[~real].any()
 
 
 @pytest.mark.parametrize("empty", [[2, 3, 7], list(range(9))], ids=["some", "all"])
-def test_programs_cross_sequences_with_no_context(empty):
+def test_balanced_programs_cross_sequences_with_no_context(empty):
     """Programs whose ranges span several sequences, some of them empty (padding rows)."""
     rng = np.random.default_rng(2)
     q, keys, values, inputs = decode_case(rng, 9, 16, 8, 128, 32, 4, "f4")
     lengths = np.asarray(inputs.context_lens).copy()
     lengths[empty] = 0
     inputs = inputs._replace(context_lens=jnp.asarray(lengths))
-    out = paged_decode_attention(
+    out = balanced_decode_attention(
         q, keys, values, inputs.block_tables, inputs.context_lens, num_programs=5, interpret=True
     )
     out = np.asarray(out)
@@ -81,15 +114,40 @@ def test_programs_cross_sequences_with_no_context(empty):
     assert not out[~real].any()
 
 
+def test_splits_fill_the_gpu_for_small_batches():
+    assert num_splits_for(256, 16, 256, 8, 512) == 2
+    assert num_splits_for(16, 16, 256, 8, 512) == 32
+    assert num_splits_for(8, 16, 256, 8, 512) == 64
+    assert num_splits_for(8, 2, 256, 8, 512) == 16  # each split at least 4 tiles of the table
+    assert num_splits_for(1, 1, 16, 1, 512) == 1  # a one-tile table is never split
+    assert num_splits_for(1, 3, 32, 8, 512) == 2  # 12 tiles: 3 splits of 4, down to a power of two
+
+
+@pytest.mark.parametrize(("batch", "kernel"), [(127, "paged_decode"), (128, "balanced_decode")])
+def test_the_balanced_kernel_takes_large_batches(batch, kernel):
+    q = jax.ShapeDtypeStruct((batch, 16, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((64, 256, 8, 128), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(paged_decode_attention)(q, pool, pool, tables, lengths))
+    assert f"jaxllm_{kernel}" in jaxpr
+
+
 @pytest.mark.gpu
-def test_compiled_kernel_equals_reference_in_bfloat16():
+def test_compiled_kernels_equal_reference_in_bfloat16():
     rng = np.random.default_rng(1)
     q, keys, values, inputs = decode_case(rng, 64, 16, 8, 128, 256, 16, jnp.bfloat16)
     expected = jax.jit(reference_attention)(q, keys, values, inputs)
     real = np.asarray(inputs.context_lens) > 0
-    for programs in (num_programs_for(132), 7):
-        out = paged_decode_attention(
-            q, keys, values, inputs.block_tables, inputs.context_lens, num_programs=programs
-        )  # fmt: skip
+    tables, lengths = inputs.block_tables, inputs.context_lens
+    for out in (
+        jax.jit(split_decode_attention)(q, keys, values, tables, lengths),
+        *[
+            jax.jit(functools.partial(balanced_decode_attention, num_programs=n))(
+                q, keys, values, tables, lengths
+            )
+            for n in (num_programs_for(132), 7)
+        ],
+    ):
         assert relative_error(np.asarray(out)[real], np.asarray(expected)[real]) < 1e-2
         assert not np.asarray(out)[~real].any()
