@@ -66,6 +66,10 @@ def main() -> None:
         "--programs-per-sm", type=at_least(1), nargs="+", default=[2, 8],
         help="the balanced kernel with this many programs per multiprocessor too",
     )  # fmt: skip
+    parser.add_argument(
+        "--splits", type=at_least(1), nargs="*", default=[],
+        help="the split kernel with this many splits a sequence too",
+    )  # fmt: skip
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -98,7 +102,7 @@ def main() -> None:
                 .set(values.reshape(batch * per_seq, page, KV_HEADS, DIM))
             )
             tables = jnp.asarray(tables)
-            candidates = [("fa3", {}), *jaxllm_options(args.sweep, args.programs_per_sm)]
+            candidates = [("fa3", {}), *jaxllm_options(args)]
             if args.jax_pallas:
                 for block_k in (64, 128):
                     if block_k >= page:
@@ -133,18 +137,22 @@ def repeated(fn, times: int):
     return jax.jit(run)
 
 
-def jaxllm_options(sweep: str, programs_per_sm: list[int]) -> list[tuple[str, dict]]:
+def jaxllm_options(args: argparse.Namespace) -> list[tuple[str, dict]]:
     multiprocessors = getattr(jax.devices()[0], "core_count", 0)
     default = dict(num_programs=num_programs_for(multiprocessors))
-    if sweep == "launch":
+    if args.sweep == "launch":
         return [
             ("paged", dict(default, rows=rows, num_warps=warps, num_stages=stages))
             for rows in (64, 128)
             for warps in (4, 8)
             for stages in (2, 3)
         ]
-    balanced = [dict(num_programs=multiprocessors * n) for n in programs_per_sm]
-    return [("split", default), ("balanced", default)] + [("balanced", o) for o in balanced]
+    return [
+        ("split", default),
+        *[("split", dict(default, num_splits=n)) for n in args.splits],
+        ("balanced", default),
+        *[("balanced", dict(num_programs=multiprocessors * n)) for n in args.programs_per_sm],
+    ]
 
 
 def kernel(kind, options, q, k_pool, v_pool, tables, lengths):
