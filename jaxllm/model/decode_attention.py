@@ -20,6 +20,7 @@ S key-range splits, NP programs, C segments merged at a time, HB heads per merge
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +74,19 @@ def num_splits_for(
     return 1 << (max(1, min(MAX_SPLITS, wanted, tiles // 4)).bit_length() - 1)
 
 
-def _attend_tiles(q, k_ref, v_ref, block_of, context, lo, hi, *, layout):
-    """Online softmax of q [M, H] over one sequence's tiles lo .. hi - 1, tile t's block
-    `block_of(t)`: (acc [M, H] float32 unnormalised, m [M] the scores' max, total [M] the sum
+class _Layout(NamedTuple):
+    """What the tile loop needs of the cache and the heads."""
+
+    rows: int  # cache rows a tile
+    num_kv_heads: int
+    group: int  # query heads a kv head
+    block_size: int
+    scale: float
+
+
+def _attend_tiles(q, k_ref, v_ref, block_of, context, lo, hi, *, layout: _Layout):
+    """Online softmax of q [M, H] over one sequence's tiles lo .. hi - 1, its i-th block
+    `block_of(i)`: (acc [M, H] float32 unnormalised, m [M] the scores' max, total [M] the sum
     of exp(score - max))."""
     rows, num_kv_heads, group, block_size, scale = layout
     tokens_per_tile = rows // num_kv_heads
@@ -111,9 +122,8 @@ def _split_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, total
     """Split (sequence, s)'s part: tables [W], lens [G], q [M, H], pools [P, BS * K, H] ->
     acc [M, H], m and total [M]."""
     sequence, split = pl.program_id(0), pl.program_id(1)
-    rows, num_kv_heads = layout[:2]
     context = lens_ref[sequence]
-    num_tiles = pl.cdiv(context, rows // num_kv_heads)
+    num_tiles = pl.cdiv(context, layout.rows // layout.num_kv_heads)
     tiles_per_split = pl.cdiv(num_tiles, pl.num_programs(1))
     start = split * tiles_per_split
     end = jnp.minimum(start + tiles_per_split, num_tiles)
@@ -148,7 +158,7 @@ def _balanced_kernel(
     layout,
 ):
     program = pl.program_id(0)
-    tokens_per_tile = layout[0] // layout[1]
+    tokens_per_tile = layout.rows // layout.num_kv_heads
     num_tiles = ends_ref[ends_ref.shape[0] - 1]
     # NP = min(programs, tiles): every range holds a tile; programs past NP take none.
     programs = jnp.maximum(jnp.minimum(pl.num_programs(0), num_tiles), 1)
@@ -253,7 +263,7 @@ def _layout(q, key_pool, rows):
     q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))
     pool_shape = (num_blocks, block_size * num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
-    return q, pool_shape, (tile, num_kv_heads, group, block_size, head_dim**-0.5)
+    return q, pool_shape, _Layout(tile, num_kv_heads, group, block_size, head_dim**-0.5)
 
 
 def split_decode_attention(
@@ -268,7 +278,7 @@ def split_decode_attention(
     q, pool_shape, layout = _layout(q, key_pool, rows)
     padded_heads = q.shape[1]
     splits = num_splits or num_splits_for(
-        num_sequences, width, key_pool.shape[1], key_pool.shape[2], num_programs, layout[0]
+        num_sequences, width, layout.block_size, layout.num_kv_heads, num_programs, layout.rows
     )
     splits = pl.next_power_of_2(splits)
     acc, m, total = pl.pallas_call(
@@ -326,7 +336,7 @@ def balanced_decode_attention(
     # The schedule (as the kernel computes it): program p takes tiles [p T // NP, (p + 1) T //
     # NP) of the T laid end to end, NP = min(num_programs, T), and writes its part of sequence s
     # to slot p + s; a sequence's parts are those of the programs holding its first to last tile.
-    tiles = -(-context_lens // (layout[0] // layout[1]))
+    tiles = -(-context_lens // (layout.rows // layout.num_kv_heads))
     ends = jnp.cumsum(tiles, dtype=jnp.int32)
     num_tiles = ends[-1]
     programs = jnp.maximum(jnp.minimum(num_programs, num_tiles), 1)
