@@ -44,55 +44,41 @@ def decode_case(rng, batch, heads, kv_heads, head_dim, block_size, width, dtype)
     return q, keys, values, inputs
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size", "splits"),
-    [
-        (16, 8, 128, 32, 1),
-        (16, 8, 128, 32, 3),
-        (8, 4, 64, 16, 2),
-        (4, 1, 64, 64, 1),
-    ],
-    ids=["gqa2", "gqa2-split", "gqa2-small-blocks", "one-kv-head"],
-)
-def test_split_kernel_equals_reference_in_float32(heads, kv_heads, head_dim, block_size, splits):
-    rng = np.random.default_rng(0)
-    q, keys, values, inputs = decode_case(rng, 6, heads, kv_heads, head_dim, block_size, 4, "f4")
-    tables, lengths = inputs.block_tables, inputs.context_lens
-    out = split_decode_attention(
-        q, keys, values, tables, lengths, num_splits=splits, interpret=True
-    )
-    expected = reference_attention(q, keys, values, inputs)
-    real = np.asarray(inputs.context_lens) > 0
-    assert relative_error(np.asarray(out)[real], np.asarray(expected)[real]) < 1e-5
-    assert not np.asarray(out)[~real].any()  # no context: zeros, not NaN
+KERNELS = {"split": split_decode_attention, "balanced": balanced_decode_attention}
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size", "programs"),
+    ("kernel", "heads", "kv_heads", "head_dim", "block_size", "settings"),
     [
-        (16, 8, 128, 32, 1),
-        (16, 8, 128, 32, 3),
-        (16, 8, 128, 32, 200),
-        (8, 4, 64, 16, 64),
-        (4, 1, 64, 64, 2),
+        ("split", 16, 8, 128, 32, dict(num_splits=1)),
+        ("split", 16, 8, 128, 32, dict(num_splits=3)),
+        ("split", 8, 4, 64, 16, dict(num_splits=2)),
+        ("split", 4, 1, 64, 64, dict(num_splits=1)),
+        ("balanced", 16, 8, 128, 32, dict(num_programs=1)),
+        ("balanced", 16, 8, 128, 32, dict(num_programs=3)),
+        ("balanced", 16, 8, 128, 32, dict(num_programs=200)),
+        ("balanced", 8, 4, 64, 16, dict(num_programs=64)),
+        ("balanced", 4, 1, 64, 64, dict(num_programs=2)),
     ],
     # NOTE: with a tile a program, the longest sequence has more segments than a merge
     # program takes at once.
-    ids=["gqa2-one-program", "gqa2", "a-tile-a-program", "small-heads", "one-kv-head"],
+    ids=[
+        *("split-gqa2", "split-gqa2-3", "split-small-blocks", "split-one-kv-head"),
+        *("balanced-one-program", "balanced-gqa2", "balanced-a-tile-a-program"),
+        *("balanced-small-heads", "balanced-one-kv-head"),
+    ],
 )
-def test_balanced_kernel_equals_reference_in_float32(
-    heads, kv_heads, head_dim, block_size, programs
+def test_kernels_equal_reference_in_float32(
+    kernel, heads, kv_heads, head_dim, block_size, settings
 ):
     rng = np.random.default_rng(0)
     q, keys, values, inputs = decode_case(rng, 6, heads, kv_heads, head_dim, block_size, 4, "f4")
     tables, lengths = inputs.block_tables, inputs.context_lens
-    out = balanced_decode_attention(
-        q, keys, values, tables, lengths, num_programs=programs, interpret=True
-    )
+    out = KERNELS[kernel](q, keys, values, tables, lengths, interpret=True, **settings)
     expected = reference_attention(q, keys, values, inputs)
     real = np.asarray(inputs.context_lens) > 0
     assert relative_error(np.asarray(out)[real], np.asarray(expected)[real]) < 1e-5
-    assert not np.asarray(out)[~real].any()
+    assert not np.asarray(out)[~real].any()  # no context: zeros, not NaN
 
 
 @pytest.mark.parametrize("empty", [[2, 3, 7], list(range(9))], ids=["some", "all"])
