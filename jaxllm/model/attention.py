@@ -66,7 +66,7 @@ class Kernels:
     interpret: bool = False
     cublas_from_rows: int | None = None
     fused_argmax: bool = True
-    decode_programs: int = 4
+    decode_programs: int = decode_attention.DEFAULT_PROGRAMS
     decode_rows: int = 1
     fixed_inputs: bool = False
     mailbox: str | None = None
