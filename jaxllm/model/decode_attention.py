@@ -39,9 +39,9 @@ DEFAULT_PROGRAMS = 4
 # NOTE: a small batch's few sequences are split finely, each program a short loop: one sequence
 # of 512 keys 17 us with 64 splits vs 25 with 16 (docs/performance.md).
 MAX_SPLITS = 64
-# NOTE: from this many sequences the balanced kernel: with contexts of 100 - 1,024 tokens a
-# layer's attention 0.236 vs 0.251 ms at 256 sequences on an H100, while at 32 or fewer its
-# per-segment merge costs more than the uneven splits lose (docs/performance.md).
+# NOTE: from this many sequences the balanced kernel: on an H100 a layer's attention at 128
+# sequences of 500 - 2,000 tokens 0.255 vs 0.278 ms, at 64 equal, at 32 or fewer slower, its
+# merge of a sequence's many segments costing more than uneven splits lose (docs/performance.md).
 BALANCED_FROM_SEQUENCES = 128
 # A merge program of the balanced kernel holds C x HB x H <= this many partial outputs.
 MERGE_ELEMENTS = 8192
