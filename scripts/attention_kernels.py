@@ -2,7 +2,8 @@
 
 One layer of decode attention, 16 query / 8 kv heads of 128, bf16, each sequence's pages
 scattered over the pool, for several batch x context cases (a context "LO-HI": each
-sequence's drawn uniformly; block tables `--table-width` blocks wide, by default 16 as in the
+sequence's drawn uniformly; "R+PxLO-HI": R sequences and P rows of no context, as a bucket's
+padding rows; block tables `--table-width` blocks wide, by default 16 as in the
 engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
 - jaxllm's Pallas decode kernels (`jaxllm.model.decode_attention`), same layout: the split one
@@ -42,7 +43,8 @@ def reference(q, keys, values, lengths):
     scores = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), k) / np.sqrt(DIM)
     mask = jnp.arange(keys.shape[1])[None, None, :] < lengths[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
-    return jnp.einsum("bhs,bshd->bhd", jax.nn.softmax(scores, axis=-1), v)
+    out = jnp.einsum("bhs,bshd->bhd", jax.nn.softmax(scores, axis=-1), v)
+    return jnp.where(lengths[:, None, None] > 0, out, 0.0)  # no context: zeros
 
 
 def rel_err(out, ref) -> float:
@@ -75,12 +77,15 @@ def main() -> None:
     rows = []
     for case in args.cases:
         batch, contexts = case.split("x")
-        batch, *span = int(batch), *map(int, contexts.split("-"))
+        counts = [int(n) for n in batch.split("+")]  # sequences, padding rows
+        real, batch, *span = counts[0], sum(counts), *map(int, contexts.split("-"))
         context = -(-span[-1] // 256) * 256
         keys = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
         values = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((batch, HEADS, DIM)), jnp.bfloat16)
-        lengths = jnp.asarray(rng.integers(span[0], span[-1] + 1, batch), jnp.int32)
+        lengths = rng.integers(span[0], span[-1] + 1, batch)
+        lengths[real:] = 0
+        lengths = jnp.asarray(lengths, jnp.int32)
         ref = reference(q, keys, values, lengths)
         kv_bytes = 2 * keys.nbytes * int(lengths.sum()) // keys.shape[0] // keys.shape[1]
         for page in args.page_sizes:

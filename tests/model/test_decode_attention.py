@@ -13,6 +13,7 @@ from support.inputs import relative_error
 
 from jaxllm.model.attention import reference_attention
 from jaxllm.model.decode_attention import (
+    BALANCED_FROM_SEQUENCES,
     balanced_decode_attention,
     num_programs_for,
     num_splits_for,
@@ -109,7 +110,10 @@ def test_splits_fill_the_gpu_for_small_batches():
     assert num_splits_for(1, 3, 32, 8, 512) == 2  # 12 tiles: 3 splits of 4, down to a power of two
 
 
-@pytest.mark.parametrize(("batch", "kernel"), [(127, "paged_decode"), (128, "balanced_decode")])
+@pytest.mark.parametrize(
+    ("batch", "kernel"),
+    [(BALANCED_FROM_SEQUENCES - 1, "paged_decode"), (BALANCED_FROM_SEQUENCES, "balanced_decode")],
+)
 def test_the_balanced_kernel_takes_large_batches(batch, kernel):
     q = jax.ShapeDtypeStruct((batch, 16, 128), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64, 256, 8, 128), jnp.bfloat16)
