@@ -1,5 +1,4 @@
-"""The scheduler's settings: one frozen, validated dataclass, and the request limits they set
-(no jax here)."""
+"""The scheduler's settings: one frozen, validated dataclass, and the request limits they set."""
 
 from __future__ import annotations
 

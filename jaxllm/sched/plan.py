@@ -1,11 +1,9 @@
 """A step's plan: what the scheduler decided, and the padded arrays the device reads.
 
-Every padded shape (bucket) comes from the fixed `BucketLadder` (`jaxllm.sched.buckets`).
 `plan_step` is the only place the step's arrays (in the format of `jaxllm.model.inputs`) are
-built.
-
-Shapes as in `jaxllm.sched.buckets`. A decode plan of K > 1 steps runs them in one executable,
-each step's sampled tokens the next one's inputs; the host gives the KV slots of every step.
+built, padded to a bucket of the fixed `BucketLadder` (shapes as in `jaxllm.sched.buckets`). A
+decode plan of K > 1 steps runs them in one executable, each step's sampled tokens the next
+one's inputs; the host gives the KV slots of every step.
 """
 
 from __future__ import annotations
