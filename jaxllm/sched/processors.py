@@ -177,11 +177,8 @@ def slot_write(seq: Sequence, num_outputs: int) -> SlotWrite:
     proc.banned = banned_now(seq, num_outputs)
     bias[list(proc.banned)] = -np.inf
     params = seq.params
-    penalties = np.array(
-        [params.presence_penalty, params.frequency_penalty, params.repetition_penalty],
-        np.float32,
-    )
-    return SlotWrite(proc.slot, tokens, bias, penalties)
+    penalties = [params.presence_penalty, params.frequency_penalty, params.repetition_penalty]
+    return SlotWrite(proc.slot, tokens, bias, np.array(penalties, np.float32))
 
 
 def ban_edits(seq: Sequence, num_outputs: int) -> list[tuple[int, int, float]]:
