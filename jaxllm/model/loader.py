@@ -241,9 +241,9 @@ def load_hf_checkpoint(
     expected, leaves = expected_tensors(config, shapes), flatten_dict(shapes)
 
     with contextlib.ExitStack() as stack:
-        handles = _open_checked(path, config, expected, stack)
+        slices = _open_checked(path, config, expected, stack)
         with tqdm(total=len(expected), desc="loading weights", disable=not progress) as bar:
-            params = read_params(lambda n: handles[n].get_slice(n), expected, leaves, bar.update)
+            params = read_params(slices.__getitem__, expected, leaves, bar.update)
     return config, unflatten_dict(params)
 
 
@@ -288,34 +288,33 @@ def check_hf_checkpoint(path: Path, config: Qwen3Config) -> None:
 
 def _open_checked(
     path: Path, config: Qwen3Config, expected: dict[str, _Tensor], stack: contextlib.ExitStack
-) -> dict:
-    """Opens the checkpoint's files in `stack`: tensor name -> its file's handle, once every
+) -> dict[str, Any]:
+    """Opens the checkpoint's files in `stack`: tensor name -> its safetensors slice, once every
     expected tensor is found with its shape and a float dtype, and nothing else is.
 
     Raises:
         CheckpointError: naming every problem (see `load_hf_checkpoint`).
     """
-    handles, problems = {}, []
+    slices, problems = {}, []
     for file in safetensors_files(path):
         try:
             handle = stack.enter_context(safe_open(file, framework="numpy"))
         except SafetensorError as error:
             raise CheckpointError(f"{file} is not a safetensors file: {error}") from None
         for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-            if name in handles:
+            if name in slices:
                 problems.append(f"duplicated tensor {name} (in {file.name} and another file)")
-            handles[name] = handle
-    if embedding_as_lm_head(config, handles):
-        handles[EMBEDDING] = _Renamed(handles.pop(TIED_EXTRA), TIED_EXTRA)
-    problems += [f"missing tensor {name}" for name in sorted(expected.keys() - handles.keys())]
-    for name in sorted(handles.keys() - expected.keys()):
+            slices[name] = handle.get_slice(name)
+    if embedding_as_lm_head(config, slices):
+        slices[EMBEDDING] = slices.pop(TIED_EXTRA)
+    problems += [f"missing tensor {name}" for name in sorted(expected.keys() - slices.keys())]
+    for name in sorted(slices.keys() - expected.keys()):
         if not (name == TIED_EXTRA and config.tie_word_embeddings):
             problems.append(f"unmapped tensor {name}")
     for name, tensor in expected.items():
-        if name not in handles:
+        if name not in slices:
             continue
-        hf_slice = handles[name].get_slice(name)
-        shape, hf_dtype = tuple(hf_slice.get_shape()), hf_slice.get_dtype()
+        shape, hf_dtype = tuple(slices[name].get_shape()), slices[name].get_dtype()
         if shape != tensor.hf_shape:
             problems.append(f"tensor {name} has shape {shape}, expected {tensor.hf_shape}")
         if hf_dtype not in FLOAT_DTYPES:
@@ -325,18 +324,7 @@ def _open_checked(
         more = len(problems) - MAX_PROBLEMS_SHOWN
         listed = problems[:MAX_PROBLEMS_SHOWN] + ([f"... and {more} more"] if more > 0 else [])
         raise CheckpointError(f"checkpoint {path} does not fit {config}:\n  " + "\n  ".join(listed))
-    return handles
-
-
-@dataclass(frozen=True)
-class _Renamed:
-    """A file's handle that serves its tensor `name` under another name."""
-
-    handle: Any
-    name: str
-
-    def get_slice(self, _name: str):
-        return self.handle.get_slice(self.name)
+    return slices
 
 
 def _read_into(
