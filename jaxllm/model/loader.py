@@ -37,6 +37,10 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_PROBLEMS_SHOWN = 50
 # The safetensors dtypes a weight may have (read into the model's dtype).
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+# Present in some tied checkpoints; equal to the embedding, so not read (as in vLLM), or read
+# as the embedding where it is the one stored (`safetensors.torch.save_model` keeps it).
+TIED_EXTRA = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
 
 
 class CheckpointError(ValueError):
@@ -141,12 +145,6 @@ def hf_weights(config: Qwen3Config) -> dict[str, tuple[tuple[str, ...], Layout, 
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = (("lm_head",), LINEAR, None)
     return weights
-
-
-# Present in some tied checkpoints; equal to the embedding, so not read (as in vLLM), or read
-# as the embedding where it is the one stored (`safetensors.torch.save_model` keeps it).
-TIED_EXTRA = "lm_head.weight"
-EMBEDDING = "model.embed_tokens.weight"
 
 
 def embedding_as_lm_head(config: Qwen3Config, names) -> bool:
