@@ -86,12 +86,12 @@ def _move_entries(source: Path, target: Path) -> None:
     names = sorted(entry.name for entry in source.iterdir())
     try:
         for name in names:
-            if (target / name).exists() or (target / name).is_symlink():
+            if os.path.lexists(target / name):
                 (target / name).rename(replaced / name)
             (source / name).rename(target / name)
     except BaseException:
         for name in names:
-            if not ((source / name).exists() or (source / name).is_symlink()):
+            if not os.path.lexists(source / name):
                 (target / name).rename(source / name)
         for old in replaced.iterdir():
             old.rename(target / old.name)
