@@ -270,11 +270,8 @@ def check_params_fit(config: Qwen3Config, mesh: Mesh, whole: bool = False) -> No
     mesh does not divide the model."""
     tp = tensor_parallel_size(mesh)
     check_tensor_parallel(config, tp)
-    what = (
-        f"the params ({config.num_layers} layers of hidden size {config.hidden_size}, "
-        f"{config.dtype})"
-    )
-    check_fits(what, param_bytes(config, tp), mesh, whole)
+    layers = f"{config.num_layers} layers of hidden size {config.hidden_size}"
+    check_fits(f"the params ({layers}, {config.dtype})", param_bytes(config, tp), mesh, whole)
 
 
 def _saved(path_or_preset: str | Path, dtype: str | None = None) -> tuple[str, Qwen3Config]:
