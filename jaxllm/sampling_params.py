@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 SEED_LIMIT = 2**64
 # The smallest temperature above 0, as vLLM's (which names numerical errors below it).
 MIN_TEMPERATURE = 0.01
+# NOTE: the device computes in float32: a larger number would be inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -264,8 +266,6 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     return bias
 
 
-# NOTE: the device computes in float32: a larger number would be inf there.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 _STRUCTURED_CHECKS: dict[str, Check] = {
     "json": (
         lambda spec: spec if isinstance(spec, dict | str) else None,
