@@ -233,9 +233,7 @@ class SamplingParams:
     def sampling_seed(self) -> int:
         """The seed the device sampler uses for this request (user seed, else engine-derived),
         in [0, 2**64)."""
-        if self.seed is not None:
-            return self.seed
-        return self._derived_seed or 0
+        return self.seed if self.seed is not None else self._derived_seed or 0
 
 
 def _stop_string(value: object) -> str | None:
