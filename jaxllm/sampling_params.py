@@ -317,11 +317,7 @@ _CHECKS: dict[str, Check] = {
         lambda p: 0.0 < p <= FLOAT32_MAX,
         "a finite float32 number > 0 (1 is off)",
     ),
-    "logit_bias": (
-        _logit_bias,
-        None,
-        "None or a dict of token ids >= 0 to finite float32 numbers",
-    ),
+    "logit_bias": (_logit_bias, None, "None or a dict of token ids >= 0 to finite float32 numbers"),
     "allowed_token_ids": (
         lambda ids: None if isinstance(ids, str) else as_tuple(ids, _token_id),
         bool,
