@@ -194,8 +194,7 @@ def load_orbax_checkpoint(
 
     path = Path(path).absolute()
     saved = _saved_config(path)
-    manifest_file = path / MANIFEST_FILE
-    manifest = read_json(manifest_file) if manifest_file.exists() else None
+    manifest = read_json(path / MANIFEST_FILE) if (path / MANIFEST_FILE).exists() else None
     target = sharded_param_shapes(saved, mesh or make_mesh(1))
     if manifest is not None:
         _verify(path, manifest, target, checksum=False)
@@ -347,8 +346,7 @@ def check_checkpoint(path_or_preset: str | Path, dtype: str | None = None) -> Qw
         if not (path / PARAMS_DIR).is_dir():
             raise CheckpointError(f"orbax checkpoint {path} has no {PARAMS_DIR} directory")
         if (path / MANIFEST_FILE).exists():
-            manifest = read_json(path / MANIFEST_FILE)
-            _verify(path, manifest, abstract_params(saved), checksum=False)
+            _verify(path, read_json(path / MANIFEST_FILE), abstract_params(saved), checksum=False)
     return config
 
 
