@@ -251,11 +251,11 @@ def read_params(
     leaves: dict[tuple[str, ...], jax.ShapeDtypeStruct],
     done: Callable[[int], Any] = lambda _: None,
 ) -> dict[tuple[str, ...], jax.Array]:
-    """The params (path -> array) of the `expected` Hugging Face tensors, each param built
-    device by device as `leaves` (path -> its sharded shape) place it: its tensors `read` (name
-    -> what slices as a numpy array does: a safetensors slice, a host array) once, and each
-    device's block read from them into a host buffer of the param's dtype and sent before the
-    next is read. `done(n)` after each param, of its n tensors."""
+    """The params (path -> array) of the `expected` Hugging Face tensors, placed as `leaves`
+    (path -> sharded shape) say: each device's block is read into a host buffer of the param's
+    dtype and sent before the next is read. `read(name)` is called once a tensor and returns
+    what slices as a numpy array does (a safetensors slice, a host array); `done(n)` is called
+    after each param, n its number of tensors."""
     by_param: dict[tuple[str, ...], list[str]] = {}
     for name, tensor in expected.items():
         by_param.setdefault(tensor.param_path, []).append(name)
