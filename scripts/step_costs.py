@@ -21,7 +21,7 @@ import time
 
 from jaxllm.engine import Engine
 from jaxllm.research import bench
-from jaxllm.research.bound import H200_BANDWIDTH, H200_FLOPS
+from jaxllm.research.bound import H200_BANDWIDTH, H200_FLOPS, model_sizes
 
 # Decode plans by rows: the balanced decode kernel from 128, multi-step plans up to 32.
 BANDS = ((1, 8), (9, 32), (33, 64), (65, 127), (128, 256), (257, 1 << 20))
@@ -46,19 +46,15 @@ def timed_steps():
 
 def work(config, plan) -> tuple[str, float, int]:
     """(band, the bound's seconds, forward passes) of a plan just dispatched."""
-    d, hd = config.hidden_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    layer = d * q + 2 * d * kv + q * d + 3 * d * config.intermediate_size
-    params = config.num_layers * layer + config.vocab_size * d
+    params, weight_bytes, kv_bytes = model_sizes(config, dtype_bytes=config.jnp_dtype.itemsize)
     passes = plan.bucket.num_steps
     if plan.is_prefill:
         return "prefill", 2 * params * plan.num_tokens / H200_FLOPS, passes
     rows = len(plan.seqs)
     context = sum(seq.num_tokens for seq in plan.seqs)
     kv_tokens = passes * context + rows * passes * (passes - 1) / 2
-    read = 2 * params * passes + 2 * config.num_layers * 2 * kv * kv_tokens
     band = next(f"decode {lo}-{hi}" for lo, hi in BANDS if lo <= rows <= hi)
-    return band, read / H200_BANDWIDTH, passes
+    return band, (passes * weight_bytes + kv_tokens * kv_bytes) / H200_BANDWIDTH, passes
 
 
 def report(steps) -> None:
