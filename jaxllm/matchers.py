@@ -282,6 +282,4 @@ def _enforced(schema) -> bool:
     properties, required = schema.get("properties", {}), schema.get("required", [])
     if not isinstance(properties, dict) or not isinstance(required, list):
         return False
-    if not set(required) <= set(properties):
-        return False
-    return all(map(_enforced, [*parts, *properties.values()]))
+    return set(required) <= set(properties) and all(map(_enforced, [*parts, *properties.values()]))

