@@ -15,14 +15,14 @@ from jaxllm.sampling_params import SamplingParams
 def decode_tokens(
     tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int], skip_special_tokens: bool = True
 ) -> str:
-    """Decodes token ids to text. A model's vocab (151,936 for Qwen3) is padded beyond the
-    tokenizer's (151,669): such ids, and negative ones, decode to nothing."""
+    """Decodes token ids to text; ids the tokenizer lacks (`known_ids`) decode to nothing."""
     known = known_ids(tokenizer, token_ids)
     return tokenizer.decode(known, skip_special_tokens=skip_special_tokens)
 
 
 def known_ids(tokenizer: PreTrainedTokenizerFast, token_ids: Iterable[int]) -> list[int]:
-    """The ids the tokenizer has (padding ids past its vocabulary, and negative ones, dropped)."""
+    """The ids the tokenizer has: negative ones and those past its vocabulary dropped (a model's
+    vocab, 151,936 for Qwen3, is padded beyond the tokenizer's 151,669)."""
     size = len(tokenizer)
     return [int(t) for t in token_ids if 0 <= int(t) < size]
 
@@ -136,14 +136,12 @@ class StopStrings:
     """Detokenizes one request's output as it grows and finds its stop strings in the text.
 
     The scheduler calls it with every generated token (`sched.sequence.StopStringCheck`); it
-    answers True once a stop string shows in the settled text (`IncrementalDetokenizer`),
-    ending after the text of the first `min_tokens` tokens (vLLM's rule); of several in one
-    token's text, the one that ends first (then the first in `stop`), as the text would show
-    them character by character (vLLM's `check_stop_strings` takes the first in `stop` that
-    it finds). `text` is then the output up to it (through it with
-    `include_stop_str_in_output`). No prompt context: the text must equal the output tokens
-    decoded alone (as without stop strings), also when the prompt ends inside a multi-byte
-    character.
+    answers True once a stop string shows in the settled text, ending after the text of the
+    first `min_tokens` tokens (vLLM's rule). Of several in one token's text, the one that ends
+    first wins (then the first in `stop`), as character-by-character text would show them;
+    vLLM's `check_stop_strings` takes the first in `stop` it finds. `text` is then the output
+    up to it (through it with `include_stop_str_in_output`). No prompt context: the text equals
+    the output tokens decoded alone, also when the prompt ends inside a multi-byte character.
 
     Mutates: its detokenizer, its token count and, at a hit, `text_end` and `matched`.
     """

@@ -153,11 +153,8 @@ class Grammars:
         self._families: dict[concurrent.futures.Future, itertools.cycle] = {}
 
     def _library(self) -> LLGuidance:
-        """llguidance for the engine's tokenizer, set up on first use.
-
-        Raises:
-            ImportError: llguidance is not installed, naming the extra that brings it.
-        """
+        """llguidance for the engine's tokenizer, set up on first use (ValueError: a tokenizer
+        larger than the model's vocabulary; ImportError: llguidance is not installed)."""
         if self._llguidance is None:
             if len(self._tokenizer) > self.vocab_size:
                 raise ValueError(
