@@ -146,7 +146,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
         self._llguidance: LLGuidance | None = None
-        self._xgrammar: XGrammar | bool | None = None  # False: not installed
+        self._xgrammar: XGrammar | bool | None = None  # False: not installed or failed
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-grammar")
         self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         # Each compiled grammar's next family: its sequences spread over all of them.
@@ -174,8 +174,7 @@ class Grammars:
             ImportError: llguidance is not installed.
         """
         llguidance = self._library()
-        kind, text = params.spec
-        key = (kind, text, params.disable_any_whitespace)
+        key = (*params.spec, params.disable_any_whitespace)
         compiled = self._compiled.get(key)
         if compiled is None:
             grammar = llguidance.grammar(params)
