@@ -22,6 +22,7 @@ import time
 from jaxllm.engine import Engine
 from jaxllm.research import bench
 from jaxllm.research.bound import H200_BANDWIDTH, H200_FLOPS, model_sizes
+from jaxllm.research.cost_model import step_work
 
 # Decode plans by rows: the balanced decode kernel from 128, multi-step plans up to 32.
 BANDS = ((1, 8), (9, 32), (33, 64), (65, 127), (128, 256), (257, 1 << 20))
@@ -47,14 +48,17 @@ def timed_steps():
 def work(config, plan) -> tuple[str, float, int]:
     """(band, the bound's seconds, forward passes) of a plan just dispatched."""
     params, weight_bytes, kv_bytes = model_sizes(config, dtype_bytes=config.jnp_dtype.itemsize)
-    passes = plan.bucket.num_steps
+    done, passes = step_work(plan), plan.bucket.num_steps
     if plan.is_prefill:
-        return "prefill", 2 * params * plan.num_tokens / H200_FLOPS, passes
-    rows = len(plan.seqs)
-    context = sum(seq.num_tokens for seq in plan.seqs)
-    kv_tokens = passes * context + rows * passes * (passes - 1) / 2
-    band = next(f"decode {lo}-{hi}" for lo, hi in BANDS if lo <= rows <= hi)
-    return band, (passes * weight_bytes + kv_tokens * kv_bytes) / H200_BANDWIDTH, passes
+        pair_flops = 4 * config.num_heads * config.head_dim * config.num_layers  # QK and PV
+        flops = 2 * params * plan.num_tokens + pair_flops * done.num_prefill_pairs
+        return "prefill", flops / H200_FLOPS, passes
+    band = next(f"decode {lo}-{hi}" for lo, hi in BANDS if lo <= plan.num_seqs <= hi)
+    return (
+        band,
+        (passes * weight_bytes + done.num_context_tokens * kv_bytes) / H200_BANDWIDTH,
+        passes,
+    )
 
 
 def report(steps) -> None:
