@@ -39,6 +39,10 @@ SERIAL_MASK_ROWS = 16
 # A character of a JSON string of bounded length in xgrammar's EBNF (`XGrammar.compile`): no
 # escape, as xgrammar's own (with one, 32 rows of the bench's schema filled in 116 vs 0.68 ms).
 BOUNDED_CHARACTER = r"[^\0-\x1f\"\\]"
+# What may follow a string's closing quote, in xgrammar's EBNF: its masks read this lookahead,
+# whose whitespace a compact grammar (`XGrammar.compile`) allows nowhere else, so they let
+# through tokens such as `""` + a line feed that its matcher then refuses.
+STRING_LOOKAHEAD = r"(=([ \n\r\t]* [,}\]:]))"
 # The JSON Schemas xgrammar enforces as JSON Schema means them (it compiles more, such as
 # `pattern`, `format`, `not`, keywords beside `anyOf` or `$ref`, `required` of a property it
 # does not list, without enforcing them): a schema of anything else goes to llguidance. A part
@@ -178,7 +182,8 @@ class XGrammar:
 
         xgrammar's strings of bounded length take any character but a quote, a backslash, CR
         and LF, raw control characters among them (JSON escapes them): they take
-        `BOUNDED_CHARACTER`."""
+        `BOUNDED_CHARACTER`. A compact grammar's strings are followed by no whitespace
+        (`STRING_LOOKAHEAD`)."""
         compact = params.disable_any_whitespace
         grammar = self._xgrammar.Grammar.from_json_schema(
             params.spec[1],
@@ -187,6 +192,8 @@ class XGrammar:
             strict_mode=False,  # JSON Schema's defaults: any further properties and items
         )
         ebnf = str(grammar).replace(r"[^\"\\\r\n]", BOUNDED_CHARACTER)
+        if compact:
+            ebnf = ebnf.replace(STRING_LOOKAHEAD, r"(=([,}\]:]))")
         return self._compiler.compile_grammar(ebnf)
 
     def matcher(self, compiled, family: int) -> XGrammarMatcher:
