@@ -224,9 +224,8 @@ class Mailbox:
         if kernels.mailbox is None or mesh.size > 1 or jax.process_count() > 1:
             return None
         kind = {"device": DeviceMailbox, "host": HostMailbox}[kernels.mailbox]
-        return kind(
-            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), -(-vocab_size // 32)
-        )
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return kind(sharding, -(-vocab_size // 32))
 
     def shapes(self, num_rows: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The shapes of `open`'s result for plans of `num_rows` sampled rows."""
@@ -342,12 +341,13 @@ class DeviceMailbox(Mailbox):
         deadline = time.perf_counter() + HOST_TIMEOUT
         while True:
             self._driver.read(words, address)
-            if (words[:num_rows] >> TOKEN_BITS == tag).all():
+            tags = words[:num_rows] >> TOKEN_BITS
+            if (tags == tag).all():
                 return words[:num_rows] & ((1 << TOKEN_BITS) - 1)
             if plan.generation != self._generation:
                 raise RuntimeError("the engine was reset")
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"no tokens of step tag {tag} in {HOST_TIMEOUT} s")
+            if time.perf_counter() > deadline:  # later tags: the device gave up waiting
+                raise TimeoutError(f"no tokens of tag {tag} in {HOST_TIMEOUT} s: {np.unique(tags)}")
 
 
 class HostMailbox(Mailbox):

@@ -16,7 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxllm import steps
 from jaxllm.executables import ExecutableStore, depends_on
-from jaxllm.handoff import Mailbox
+from jaxllm.handoff import Mailbox, StepwiseMasks
 from jaxllm.model.attention import Kernels
 from jaxllm.model.config import Qwen3Config
 from jaxllm.model.inputs import SamplingInputs
@@ -260,13 +260,23 @@ class ModelRunner:
         self.compile(self.ladder, sampler_modes=STARTUP_SAMPLER_MODES, logprobs=False)
 
     def _compile_for(self, bucket: Bucket, mode: str, logprobs: bool, mailbox: bool) -> None:
-        """Compiles what a step of `bucket` lacks; for the whole ladder if `bucket` is in it."""
+        """Compiles what a step of `bucket` lacks; for the whole ladder if `bucket` is in it.
+        Each new mailbox program runs once, on padding, as `warm_up` runs the others."""
         buckets = self.ladder if bucket in self.ladder else (bucket,)
         if buckets is self.ladder:
             logger.info("compiling sampler %s, logprobs %s, for the ladder", mode, logprobs)
         elif self.ladder:
             logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
+        compiled = set(self._multi_step_executables)
         self.compile(buckets, False, sampler_modes=[mode], logprobs=logprobs, mailbox=mailbox)
+        new, vocab_size = set(self._multi_step_executables) - compiled, self.config.vocab_size
+        for warm, warm_mode, _ in new if mailbox else ():
+            # NOTE: a first run loads the program's kernels: not while a plan before waits on
+            # the device for its masks from the host, whose handoff that may stall
+            stepwise = StepwiseMasks(StepPlan([], [], [], [], warm, None, None), vocab_size)
+            stepwise.ready.set()  # no grammars: every step lets every token through
+            step = (padding_step(warm), warm.padding()[1], stepwise.first(), self._no_tokens)
+            self._run_steps(warm, warm_mode, *step, stepwise)[2].result()
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
@@ -281,10 +291,9 @@ class ModelRunner:
             forwards[bucket.num_sampled] = self._run_forward(bucket, host, self._no_tokens)
         results = [self._run_sampler(n, mode, *forwards[n]) for n, mode in self._sample_executables]
         for bucket, mode, mailbox in self._multi_step_executables:
-            if mailbox:  # NOTE: compiled at first use; its first run waits for the host
-                continue
-            step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens, None)
-            results.append(self._run_steps(bucket, mode, *step)[0])
+            if not mailbox:  # mailbox programs run as they are compiled (`_compile_for`)
+                step = (padding_step(bucket), bucket.padding()[1], None, self._no_tokens, None)
+                results.append(self._run_steps(bucket, mode, *step)[0])
         jax.block_until_ready([*results, self.kv_cache])  # the cache last: each step donates it
 
     def execute(
@@ -294,9 +303,8 @@ class ModelRunner:
         without waiting for them. `masks`, for a plan with constrained rows, gives the sampled
         rows' token bitmask: for one step, called with the future of `_run_forward`'s result
         while it is dispatched (the host's work in it overlaps the dispatch and the device's);
-        for several (with `stepwise`: the runner has a mailbox), with None before the plan is
-        dispatched: the first step's (None: from `stepwise` too), the later steps' from
-        `stepwise` (`handoff`)."""
+        for several (with `stepwise`: the runner has a mailbox), with None before the dispatch:
+        the first step's (None: from `stepwise` too), the later ones' from `stepwise`."""
         bucket, sampling = plan.bucket, plan.sampling
         mode = sampler_mode(*sampling[:4], self.config.vocab_size)  # temperature .. min_p
         if not self._has_executables(bucket, mode, plan.logprobs, stepwise is not None):
@@ -338,26 +346,18 @@ class ModelRunner:
         )
 
     def _run_steps(
-        self,
-        bucket: Bucket,
-        mode: str,
-        arrays: Sequence[np.ndarray],
-        sampling: SamplingInputs,
-        bitmask: np.ndarray | None,
-        previous_tokens: jax.Array,
-        stepwise: Any,
+        self, bucket: Bucket, mode: str, arrays, sampling, bitmask, previous_tokens, stepwise
     ) -> tuple[jax.Array, jax.Array, concurrent.futures.Future | None]:
-        """Dispatches a plan of several decode steps, with `stepwise` each under its own token
-        mask (`Mailbox`; `bitmask` the first step's, or None); keeps its cache; returns every
-        step's tokens (in host memory), the last's, and with `stepwise` the future of the kept
-        ones."""
+        """Dispatches a plan of several decode steps (`arrays` and `sampling` its host inputs),
+        with `stepwise` each under its own token mask (`Mailbox`; `bitmask` the first step's, or
+        None); keeps its cache; returns every step's tokens (in host memory), the last's, and
+        with `stepwise` the future of the kept ones."""
         mailbox = stepwise and self.mailbox.open(bitmask, bucket.num_steps, stepwise)
         packed = (self._on_devices(pack(arrays)), self._on_devices(pack(sampling)))
         tokens, last, self.kv_cache = self._multi_step_executables[bucket, mode, bool(mailbox)](
             self.params, self.kv_cache, *packed, previous_tokens, mailbox
         )
-        kept = None if mailbox is None else self.mailbox.follow()
-        return tokens, last, kept
+        return tokens, last, None if mailbox is None else self.mailbox.follow()
 
     def _dispatch_forward(
         self, bucket: Bucket, host: tuple[np.ndarray, np.ndarray], previous_tokens, masks

@@ -4,6 +4,8 @@ memory on an NVIDIA GPU; through host callbacks, the same steps, on a CPU."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from support.engine import assert_idle, gpu_kernel_settings
 
@@ -119,3 +121,27 @@ def test_a_plan_dropped_in_flight_leaves_the_next_requests_as_at_one_step(llms):
     several.generate(PROMPTS, params, use_tqdm=False)
     assert several.reset_prefix_cache()
     assert_as_one_step(one_step, several, params)
+
+
+@pytest.mark.parametrize("kind", ["host", pytest.param("device", marks=pytest.mark.gpu)])
+def test_each_mailbox_program_runs_on_padding_before_a_plan(text_model, kind):
+    """Compiled at a first constrained plan of several steps, every mailbox program runs once on
+    padding (a plan of no sequences) before that plan runs."""
+    from jaxllm import LLM
+
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    settings |= dict(kvcache_block_size=16, num_kvcache_blocks=64, compile_at_startup=False)
+    with gpu_kernel_settings(mailbox=kind):
+        llm = LLM(text_model, num_scheduler_steps=4, **settings)
+    runner, runs = llm.engine.runner, []
+    run_steps = runner._run_steps
+    with mock.patch.object(runner, "_run_steps", autospec=True) as spy:
+        spy.side_effect = lambda *args: runs.append((*args[:2], args[-1])) or run_steps(*args)
+        params = SamplingParams(max_tokens=20, structured_outputs=CONSTRAINTS[1])
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    compiled = {(bucket, mode) for bucket, mode, mailbox in runner._multi_step_executables}
+    first = next(i for i, (*_, stepwise) in enumerate(runs) if stepwise._plan.seqs)
+    assert sorted([(bucket, mode) for bucket, mode, _ in runs[:first]], key=str) == sorted(
+        compiled, key=str
+    )
+    assert_idle(llm)
