@@ -4,10 +4,9 @@
 two executables compiled ahead of time (the programs of `jaxllm.steps`): the forward pass of the
 plan's bucket (KV cache donated, so updated in place) and the sampler in the variant the host
 picked (`sampler.sampler_mode`); kept apart, the sampler needs far fewer shapes, halving start-up
-compiles. A plan of several decode steps runs both in one executable, per sampler variant.
-Under tensor parallelism the forward pass runs in shard_map over the "tp" mesh, the sampler
-replicated; with several processes (`jax.distributed`) each runs the same steps on the same host
-arrays.
+compiles. A plan of several decode steps runs both in one executable, per sampler variant. Under
+tensor parallelism the forward pass runs in shard_map over the "tp" mesh, the sampler replicated;
+with several processes (`jax.distributed`) each runs the same steps on the same host arrays.
 """
 
 from __future__ import annotations
@@ -267,12 +266,13 @@ class ModelRunner:
             logger.info("compiling sampler %s, logprobs %s, for the ladder", mode, logprobs)
         elif self.ladder:
             logger.warning("compiling bucket %s (sampler %s) while serving", bucket, mode)
+        # NOTE: compiling and a program's first run load kernels, which may wait for the device
+        # to idle: not while a plan waits on the device for its masks from the host (`handoff`)
+        jax.block_until_ready(self.kv_cache)
         compiled = set(self._multi_step_executables)
         self.compile(buckets, False, sampler_modes=[mode], logprobs=logprobs, mailbox=mailbox)
         new, vocab_size = set(self._multi_step_executables) - compiled, self.config.vocab_size
         for warm, warm_mode, _ in new if mailbox else ():
-            # NOTE: a first run loads the program's kernels: not while a plan before waits on
-            # the device for its masks from the host, whose handoff that may stall
             stepwise = StepwiseMasks(StepPlan([], [], [], [], warm, None, None), vocab_size)
             stepwise.ready.set()  # no grammars: every step lets every token through
             step = (padding_step(warm), warm.padding()[1], stepwise.first(), self._no_tokens)
@@ -281,9 +281,9 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.
 
-        NOTE: an executable's first run loads its kernels and builds its CUDA command buffers,
-        a cost kept off the first requests (vLLM captures its CUDA graphs at start-up likewise).
-        Padding writes nothing (slot -1) and attends to nothing (context 0): the cache is unchanged.
+        NOTE: a first run loads the executable's kernels and builds its CUDA command buffers: a
+        cost kept off the first requests (as vLLM captures its CUDA graphs at start-up). Padding
+        writes and attends to nothing (slot -1, context 0): the cache is unchanged.
         """
         forwards = {}  # sampled rows -> logits, greedy settings
         for bucket in self._forward_executables:
