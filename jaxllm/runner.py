@@ -142,8 +142,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache() if awake else None
 
     def update_params(self, params: Params, donate: bool = False) -> None:
-        """Takes new weights, placed as the old ones (`weights.placed_like`); a mapping of
-        Hugging Face names is laid out as the engine's first."""
+        """Takes new weights placed as the old (`placed_like`), Hugging Face names laid out."""
         if is_hf_named(params):
             params = from_hf_names(params, self.config, self._param_shapes)
         self.params = placed_like(params, self.params or self._param_shapes, donate)
@@ -276,7 +275,8 @@ class ModelRunner:
             stepwise = StepwiseMasks(StepPlan([], [], [], [], warm, None, None), vocab_size)
             stepwise.ready.set()  # no grammars: every step lets every token through
             step = (padding_step(warm), warm.padding()[1], stepwise.first(), self._no_tokens)
-            self._run_steps(warm, warm_mode, *step, stepwise)[2].result()
+            tokens, _, kept = self._run_steps(warm, warm_mode, *step, stepwise)
+            np.asarray(tokens), kept.result()  # a failed program raises in the first
 
     def warm_up(self) -> None:
         """Runs every compiled executable once, on a step of padding alone, and waits for them.

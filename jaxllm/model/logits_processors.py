@@ -197,6 +197,10 @@ class LogitsProcessors:
         """A step's processed logits [S, V], after its slot writes and bias edits (`plan`: a
         `sched.processors.ProcessorPlan`), written over `logits` if `donate`; returns them
         and the rows to `count` with."""
+        key = (logits.shape[0], donate)
+        if self.state is None or key not in self._executables:
+            # NOTE: kernels load on an idle device (`ModelRunner._compile_for` says why)
+            jax.block_until_ready(logits)
         if self.state is None:
             self.state = self._zeros()
         for write in plan.writes:
@@ -212,7 +216,6 @@ class LogitsProcessors:
             for start in range(0, padded, EDIT_CHUNK):
                 chunk = (a[start : start + EDIT_CHUNK] for a in (slots, tokens, values))
                 self.state = self._edit(self.state, *map(self._on_devices, chunk))
-        key = (logits.shape[0], donate)
         if key not in self._executables:
             self._compile(*key)
         rows = self._on_devices(plan.rows)
