@@ -142,7 +142,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache() if awake else None
 
     def update_params(self, params: Params, donate: bool = False) -> None:
-        """Takes new weights placed as the old (`placed_like`), Hugging Face names laid out."""
+        """Takes new weights, placed as the old (`placed_like`); HF-named ones converted first."""
         if is_hf_named(params):
             params = from_hf_names(params, self.config, self._param_shapes)
         self.params = placed_like(params, self.params or self._param_shapes, donate)
