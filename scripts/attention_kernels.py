@@ -1,10 +1,10 @@
 """Paged decode attention kernels side by side on the GPU: `python scripts/attention_kernels.py`.
 
-One layer of decode attention, 16 query / 8 kv heads of 128, bf16, each sequence's pages
-scattered over the pool, for several batch x context cases (a context "LO-HI": each
-sequence's drawn uniformly; "R+PxLO-HI": R sequences and P rows of no context, as a bucket's
-padding rows; block tables `--table-width` blocks wide, by default 16 as in the
-engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
+One layer of decode attention, 16 query heads (`--heads`; qwen3-8b has 32) / 8 kv heads of
+128, bf16, each sequence's pages scattered over the pool, for several batch x context cases (a
+context "LO-HI": each sequence's drawn uniformly; "R+PxLO-HI": R sequences and P rows of no
+context, as a bucket's padding rows; block tables `--table-width` blocks wide, by default 16 as
+in the engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
 - jaxllm's Pallas decode kernels (`jaxllm.model.decode_attention`), same layout: the split one
   and the balanced one at several programs per multiprocessor (`--sweep programs`, the
@@ -32,12 +32,12 @@ from jaxllm.model import decode_attention
 from jaxllm.model.decode_attention import num_programs_for
 from jaxllm.research.flags import at_least
 
-HEADS, KV_HEADS, DIM = 16, 8, 128
+KV_HEADS, DIM = 8, 128
 
 
 def reference(q, keys, values, lengths):
     """[B, Hq, D] attention of q over dense [B, S, K, D] keys/values, float32."""
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // KV_HEADS
     k = jnp.repeat(keys.astype(jnp.float32), group, axis=2)
     v = jnp.repeat(values.astype(jnp.float32), group, axis=2)
     scores = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), k) / np.sqrt(DIM)
@@ -57,6 +57,7 @@ def main() -> None:
     cases = ["256x512", "256x1024", "256x2048", "256x100-2048", "32x1024"]
     parser.add_argument("--cases", nargs="+", default=cases, help="batch x context[-max]")
     parser.add_argument("--sweep", choices=["programs", "launch"], default="programs")
+    parser.add_argument("--heads", type=at_least(KV_HEADS), default=16, help="query heads")
     parser.add_argument("--repeat", type=at_least(1), default=28, help="calls per timed run")
     parser.add_argument(
         "--table-width", type=at_least(0), default=16,
@@ -82,7 +83,7 @@ def main() -> None:
         context = -(-span[-1] // 256) * 256
         keys = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
         values = jnp.asarray(rng.standard_normal((batch, context, KV_HEADS, DIM)), jnp.bfloat16)
-        q = jnp.asarray(rng.standard_normal((batch, HEADS, DIM)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((batch, args.heads, DIM)), jnp.bfloat16)
         lengths = rng.integers(span[0], span[-1] + 1, batch)
         lengths[real:] = 0
         lengths = jnp.asarray(lengths, jnp.int32)

@@ -73,6 +73,8 @@ def main() -> None:
                 programs[name] = (program, (logits, jnp.asarray(packed), every_token))
         bitmask = rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64).astype(np.int32)
         programs["token mask"] = (apply_bitmask, (logits, jnp.asarray(bitmask)))
+        # The draw's floor: the same pass over the logits with no noise to make.
+        programs["argmax of logits / T"] = (lambda x: jnp.argmax(x / 0.6, axis=-1), (logits,))
         for name, (program, program_args) in programs.items():
             cells = [
                 "{:.0f} / {:.2f}".format(*milliseconds(program, program_args, options, args.repeat))
