@@ -8,8 +8,9 @@ How the keys are shared out depends on the batch (`paged_decode_attention`):
 - `split_decode_attention`: each sequence's tiles split evenly over S programs of its own;
 - `balanced_decode_attention`: the sequences' tiles laid end to end, program p of NP takes the
   p-th of NP equal ranges, which may start and end inside sequences and cross several.
-NOTE: all kv heads in one program: decode is bound by cache reads, so masked multiply-adds are
-free; a block per (sequence, kv head), as FlashAttention-3's, pays a fixed cost (performance.md).
+NOTE: all kv heads in one program: decode is bound by the cache reads, so the masked multiply-adds
+are free, while a thread block per (sequence, kv head) pays a fixed cost that dominates at short
+contexts and groups of 2 query heads (FlashAttention-3; docs/performance.md).
 
 Legend: G sequences (tiles of one token), N query heads (padded to M), K kv heads, Q query
 heads per kv head, H head dim, P blocks of the pool, BS block size, W block-table width,
@@ -187,25 +188,23 @@ def _merge_segments(first_ref, count_ref, acc_ref, m_ref, total_ref, o_ref, *, c
     a group of heads: acc [slots, HB, H], m and total [slots, HB] -> o [HB, H], normalised."""
     sequence = pl.program_id(0)
     first, count = first_ref[sequence], count_ref[sequence]
-    num_heads, head_dim = o_ref.shape
-    index = lax.broadcasted_iota(jnp.int32, (chunk, num_heads), 0)
+    index = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
 
     def body(i, carry):
         out, m, total = carry
         slots = pl.ds(first + i * chunk, chunk)
-        # Masked, not read: slots past the sequence's (another's segments, or nothing written).
-        valid = i * chunk + index < count  # [C, HB]
-        m_chunk = plgpu.load(m_ref.at[slots], mask=valid, other=_MASK_VALUE)
+        # Slots past the sequence's hold another's segments or nothing written: left out.
+        valid = i * chunk + index < count  # [C, 1]
+        m_chunk = jnp.where(valid, m_ref[slots], _MASK_VALUE)  # [C, HB]
         m_next = jnp.maximum(m, m_chunk.max(axis=0))
         weight = jnp.where(valid, jnp.exp(m_chunk - m_next[None, :]), 0.0)
-        every = jnp.broadcast_to(valid[:, :, None], (chunk, num_heads, head_dim))
-        acc = plgpu.load(acc_ref.at[slots], mask=every, other=0.0)  # [C, HB, H]
+        acc = jnp.where(valid[:, :, None], acc_ref[slots], 0.0)  # [C, HB, H]
         correction = jnp.exp(m - m_next)
         out = out * correction[:, None] + (acc * weight[:, :, None]).sum(axis=0)
-        totals = plgpu.load(total_ref.at[slots], mask=valid, other=0.0)  # [C, HB]
-        total = total * correction + (totals * weight).sum(axis=0)
+        total = total * correction + (jnp.where(valid, total_ref[slots], 0.0) * weight).sum(axis=0)
         return out, m_next, total
 
+    num_heads, head_dim = o_ref.shape
     out = jnp.zeros((num_heads, head_dim), jnp.float32)
     m = jnp.full((num_heads,), _MASK_VALUE, jnp.float32)
     total = jnp.zeros((num_heads,), jnp.float32)
