@@ -43,6 +43,9 @@ MAX_SPLITS = 64
 # sequences of 500 - 2,000 tokens 0.255 vs 0.278 ms, at 64 equal, at 32 or fewer slower, its
 # merge of a sequence's many segments costing more than uneven splits lose (docs/performance.md).
 BALANCED_FROM_SEQUENCES = 128
+# NOTE: its equal ranges fill the device with half the programs: 32 query heads (8B) 12 - 16%
+# faster at 32 - 256 sequences on an H100, 16 equal (docs/performance.md).
+BALANCED_PROGRAMS_DIVISOR = 2
 # A merge program of the balanced kernel holds C x HB x H <= this many partial outputs.
 MERGE_ELEMENTS = 8192
 _MASK_VALUE = -1e30
@@ -243,6 +246,8 @@ def paged_decode_attention(
     """
     balanced = q.shape[0] >= BALANCED_FROM_SEQUENCES
     kernel = balanced_decode_attention if balanced else split_decode_attention
+    if balanced:
+        num_programs = max(1, num_programs // BALANCED_PROGRAMS_DIVISOR)
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     args = (q, key_pool, value_pool, block_tables, context_lens)
     return kernel(*args, num_programs=num_programs, rows=rows, **launch)
