@@ -49,8 +49,8 @@ class Kernels:
             XLA's Triton GEMMs (`compiler_options`); None: XLA's choice everywhere.
         fused_argmax: the sampler draws in one argmax over the noisy logits
             (`sampler.noisy_argmax`).
-        decode_programs: the most programs the Pallas decode kernel shares a step's keys out
-            over (`decode_attention.num_programs_for`).
+        decode_programs: the programs the Pallas decode kernel shares a step's keys out over,
+            fewer for the balanced kernel (`decode_attention.num_programs_for`).
         decode_rows: a decode step of fewer rows runs its layers on this many, the rest
             padding (`qwen3.padded_decode`).
         fixed_inputs: a one-step plan's forward pass and sampler read their inputs from buffers

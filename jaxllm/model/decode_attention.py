@@ -32,8 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 ROWS = 64
 # Measured best of rows 64/128 x warps 4/8 x stages 2/3 on an H200 (scripts/attention_kernels.py).
 NUM_WARPS, NUM_STAGES = 4, 2
-# NOTE: programs a step aims for, a few per multiprocessor; 2 - 4 equally fast at 128 - 256
-# sequences on an H100, 8 slower (docs/performance.md). Interpreted (a CPU), fewer run faster.
+# NOTE: programs the split kernel aims for, a few per multiprocessor; 2 slower with 32 query heads
+# at 64 sequences on an H100, 8 slower (docs/performance.md). Interpreted (a CPU), fewer run faster.
 PROGRAMS_PER_MULTIPROCESSOR = 4
 DEFAULT_PROGRAMS = 4
 # NOTE: a small batch's few sequences are split finely, each program a short loop: one sequence
@@ -43,8 +43,8 @@ MAX_SPLITS = 64
 # sequences of 500 - 2,000 tokens 0.255 vs 0.278 ms, at 64 equal, at 32 or fewer slower, its
 # merge of a sequence's many segments costing more than uneven splits lose (docs/performance.md).
 BALANCED_FROM_SEQUENCES = 128
-# NOTE: its equal ranges fill the device with half the programs: 32 query heads (8B) 12 - 16%
-# faster at 32 - 256 sequences on an H100, 16 equal (docs/performance.md).
+# NOTE: the balanced kernel's equal ranges fill the device with half the split kernel's programs:
+# with 32 query heads (8B) 12 - 16% faster on an H100, with 16 equal (docs/performance.md).
 BALANCED_PROGRAMS_DIVISOR = 2
 # A merge program of the balanced kernel holds C x HB x H <= this many partial outputs.
 MERGE_ELEMENTS = 8192
@@ -240,7 +240,7 @@ def paged_decode_attention(
         key_pool, value_pool: [P, BS, K, H] the cache's blocks.
         block_tables: [G, W] int32 each sequence's blocks.
         context_lens: [G] int32 keys each sequence attends to (the first ones of its blocks).
-        num_programs: the programs a step aims for (`num_programs_for`).
+        num_programs: the split kernel's programs (`num_programs_for`), divided for the balanced.
         rows, num_warps, num_stages, interpret: the tile (cache rows), Triton's launch settings,
             and Pallas' interpreter (tests on a CPU).
     """
@@ -370,11 +370,7 @@ def balanced_decode_attention(
             whole(*pool_shape),
             whole(*pool_shape),
         ],
-        out_specs=[
-            whole(slots, padded_heads, head_dim),
-            whole(slots, padded_heads),
-            whole(slots, padded_heads),
-        ],
+        out_specs=[whole(slots, padded_heads, head_dim), *[whole(slots, padded_heads)] * 2],
         out_shape=[
             jax.ShapeDtypeStruct((slots, padded_heads, head_dim), jnp.float32),
             *[jax.ShapeDtypeStruct((slots, padded_heads), jnp.float32)] * 2,

@@ -111,16 +111,21 @@ def test_splits_fill_the_gpu_for_small_batches():
 
 
 @pytest.mark.parametrize(
-    ("batch", "kernel"),
-    [(BALANCED_FROM_SEQUENCES - 1, "paged_decode"), (BALANCED_FROM_SEQUENCES, "balanced_decode")],
+    ("batch", "kernel", "grid"),
+    [
+        (BALANCED_FROM_SEQUENCES - 1, "paged_decode", f"({BALANCED_FROM_SEQUENCES - 1}, 4)"),
+        (BALANCED_FROM_SEQUENCES, "balanced_decode", "(264,)"),  # half the split kernel's 528
+    ],
 )
-def test_the_balanced_kernel_takes_large_batches(batch, kernel):
+def test_the_balanced_kernel_takes_large_batches(batch, kernel, grid):
     q = jax.ShapeDtypeStruct((batch, 16, 128), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64, 256, 8, 128), jnp.bfloat16)
     tables = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    jaxpr = str(jax.make_jaxpr(paged_decode_attention)(q, pool, pool, tables, lengths))
+    attention = functools.partial(paged_decode_attention, num_programs=528)
+    jaxpr = str(jax.make_jaxpr(attention)(q, pool, pool, tables, lengths))
     assert f"jaxllm_{kernel}" in jaxpr
+    assert f"GridMapping(grid={grid}" in jaxpr
 
 
 @pytest.mark.gpu
