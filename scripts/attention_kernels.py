@@ -7,8 +7,9 @@ context, as a bucket's padding rows; block tables `--table-width` blocks wide, b
 in the engine with FA3 installed, where every table is as wide as max_model_len 4,096 needs):
 - FlashAttention-3 (`flash-attn3-jax`) on jaxllm's layout, [pages, page_size, kv_heads, dim];
 - jaxllm's Pallas decode kernels (`jaxllm.model.decode_attention`), same layout: the split one
-  and the balanced one at several programs per multiprocessor (`--sweep programs`, the
-  default), or the one the batch gets over its tiles and Triton launch settings (`launch`);
+  and the balanced one, each at the engine's programs, and the balanced one at more programs per
+  multiprocessor (`--sweep programs`, the default), or the one the batch gets over its tiles and
+  Triton launch settings (`launch`);
 - with --jax-pallas, JAX's Pallas (Triton) paged attention,
   `jax.experimental.pallas.ops.gpu.paged_attention`, on its layout [kv_heads, pages, page_size,
   dim]. Seen on an H200 (2026-11-30): 1.1-2.1 TB/s, below FA3 at every page size.
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[256])
     parser.add_argument("--jax-pallas", action="store_true", help="JAX's own Pallas kernel too")
     parser.add_argument(
-        "--programs-per-sm", type=at_least(1), nargs="+", default=[2, 8],
+        "--programs-per-sm", type=at_least(1), nargs="+", default=[4, 8],
         help="the balanced kernel with this many programs per multiprocessor too",
     )  # fmt: skip
     parser.add_argument(
@@ -145,7 +146,9 @@ def repeated(fn, times: int):
 
 def jaxllm_options(args: argparse.Namespace) -> list[tuple[str, dict]]:
     multiprocessors = getattr(jax.devices()[0], "core_count", 0)
-    default = dict(num_programs=num_programs_for(multiprocessors))
+    programs = num_programs_for(multiprocessors)
+    default = dict(num_programs=programs)
+    balanced = dict(num_programs=programs // decode_attention.BALANCED_PROGRAMS_DIVISOR)
     if args.sweep == "launch":
         return [
             ("paged", dict(default, rows=rows, num_warps=warps, num_stages=stages))
@@ -156,7 +159,7 @@ def jaxllm_options(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return [
         ("split", default),
         *[("split", dict(default, num_splits=n)) for n in args.splits],
-        ("balanced", default),
+        ("balanced", balanced),
         *[("balanced", dict(num_programs=multiprocessors * n)) for n in args.programs_per_sm],
     ]
 
